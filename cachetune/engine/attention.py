@@ -1,0 +1,163 @@
+"""Causal attention for a sparse, position-sorted set of queries over a full key buffer.
+
+Selective prefill recomputes only some tokens, so its queries are a subset of the prompt positions
+while its keys cover every position. A dense boolean mask over [queries, keys] wastes most of its work
+on masked-out entries and forces the slow masked kernel. Instead queries are split into blocks of
+consecutive positions: everything before a block's first position is visible to the whole block and
+is attended without a mask; only the short span inside the block needs one. The two partial results
+are merged exactly through their log-sum-exp, so the result equals dense causal attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Queries per block. Smaller blocks shrink the masked span, larger ones amortise kernel calls.
+QUERY_BLOCK = 128
+
+
+def _fold_gqa(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """q: [T, Hq, D] -> [1, Hkv, G*T, D]; query head h uses kv head h // G (HF's repeat_kv order)."""
+    t, hq, d = q.shape
+    g = hq // kv_heads
+    return q.view(t, kv_heads, g, d).permute(1, 2, 0, 3).reshape(1, kv_heads, g * t, d)
+
+
+def _unfold_gqa(o: torch.Tensor, t: int) -> torch.Tensor:
+    """Inverse of _fold_gqa: [1, Hkv, G*T, D] -> [T, Hq, D]."""
+    _, hkv, gt, d = o.shape
+    g = gt // t
+    return o.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hkv * g, d)
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[N, H, D] -> [1, H, N, D]."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _attend_with_lse(q, k, v, mask, scale, causal=False):
+    """Attention of q [1,H,L,D] over k/v [1,H,S,D]; returns output and log-sum-exp [1,H,L].
+
+    causal=True (only with L == S) lets query i see keys 0..i.
+    """
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, is_causal=causal, attn_mask=mask, scale=scale
+        )
+        return out, lse
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    # Elsewhere compute it explicitly; used only for the short in-block span and on non-CPU devices.
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+    return out, lse
+
+
+def _merge(o1, lse1, o2, lse2):
+    """Exact combination of two attention results over disjoint key sets (weights from their LSEs)."""
+    w1 = torch.sigmoid(lse1 - lse2).unsqueeze(-1).to(o1.dtype)  # = e^lse1 / (e^lse1 + e^lse2)
+    return o2 + (o1 - o2) * w1
+
+
+def _runs(pos: list[int]) -> list[tuple[int, int]]:
+    """Split sorted positions into [start, stop) index ranges of consecutive positions."""
+    runs, begin = [], 0
+    for i in range(1, len(pos) + 1):
+        if i == len(pos) or pos[i] != pos[i - 1] + 1:
+            runs.append((begin, i))
+            begin = i
+    return runs
+
+
+def _blocks(pos: list[int]) -> list[tuple[int, int, bool]]:
+    """Split queries into [start, stop) index blocks, flagged True when their positions are consecutive.
+
+    Long consecutive runs (uncached text, fully recomputed spans) become one causal block each; short
+    runs (scattered selected tokens) are grouped, in order, into blocks of up to QUERY_BLOCK queries.
+    """
+    blocks: list[tuple[int, int, bool]] = []
+    group_start = None
+    for a, b in _runs(pos):
+        if b - a >= QUERY_BLOCK // 4:
+            if group_start is not None:
+                blocks.append((group_start, a, False))
+                group_start = None
+            blocks.append((a, b, True))
+            continue
+        if group_start is None:
+            group_start = a
+        if b - group_start >= QUERY_BLOCK:
+            blocks.append((group_start, b, False))
+            group_start = None
+    if group_start is not None:
+        blocks.append((group_start, len(pos), False))
+    return blocks
+
+
+def sparse_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of queries at positions `q_pos` over keys at positions 0..N-1.
+
+    q: [T, Hq, D] (RoPE applied), k/v: [N, Hkv, D] where row i holds the key/value at global position i.
+    q_pos: [T] strictly increasing int positions, each < N. A query at p sees keys j <= p, and with a
+    sliding window only j > p - sliding_window (HF's convention). Returns [T, Hq, D].
+    """
+    if q.device.type != "cpu" or (sliding_window is not None and sliding_window < k.shape[0]):
+        return _dense_masked(q, k, v, q_pos, scale, sliding_window)
+    kv_heads = k.shape[1]
+    g = q.shape[1] // kv_heads
+    kh, vh = _heads_first(k), _heads_first(v)
+    pos = q_pos.tolist()
+    out = torch.empty_like(q)
+    for start, stop, contiguous in _blocks(pos):
+        first, last = pos[start], pos[stop - 1]
+        qb = q[start:stop]
+        if contiguous:
+            # Queries first..last see keys first..their own position: plain causal over the span.
+            o_in, lse_in = _attend_with_lse(
+                _heads_first(qb),
+                kh[:, :, first : last + 1].repeat_interleave(g, dim=1),
+                vh[:, :, first : last + 1].repeat_interleave(g, dim=1),
+                None, scale, causal=True,
+            )
+            o_in = o_in.view(1, kv_heads, g, stop - start, -1).reshape(1, kv_heads, g * (stop - start), -1)
+            lse_in = lse_in.reshape(1, kv_heads, g * (stop - start))
+            qf = _fold_gqa(qb, kv_heads)
+        else:
+            qf = _fold_gqa(qb, kv_heads)
+            key_pos = torch.arange(first, last + 1, device=q.device)
+            visible = key_pos.unsqueeze(0) <= q_pos[start:stop].unsqueeze(1)  # [B, span]
+            # The CPU kernel takes an additive mask in the query dtype.
+            mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+            mask = mask.repeat(g, 1).view(1, 1, g * (stop - start), -1)
+            o_in, lse_in = _attend_with_lse(qf, kh[:, :, first : last + 1], vh[:, :, first : last + 1], mask, scale)
+        if first > 0:
+            # Everything before the block is visible to every query in it: no mask.
+            o_pre, lse_pre = _attend_with_lse(qf, kh[:, :, :first], vh[:, :, :first], None, scale)
+            o_in = _merge(o_pre, lse_pre, o_in, lse_in)
+        out[start:stop] = _unfold_gqa(o_in, stop - start)
+    return out
+
+
+def _dense_masked(q, k, v, q_pos, scale, sliding_window):
+    """Reference path: one SDPA call with an explicit [T, N] mask (GPU kernels handle it well)."""
+    n = k.shape[0]
+    key_pos = torch.arange(n, device=q.device)
+    mask = key_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+    if sliding_window is not None:
+        mask &= key_pos.unsqueeze(0) > (q_pos.unsqueeze(1) - sliding_window)
+    g = q.shape[1] // k.shape[1]
+    kh = _heads_first(k).repeat_interleave(g, dim=1)
+    vh = _heads_first(v).repeat_interleave(g, dim=1)
+    out = F.scaled_dot_product_attention(_heads_first(q), kh, vh, attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1)

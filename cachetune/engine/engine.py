@@ -1,0 +1,189 @@
+"""The Engine facade: cache chunks once, then answer requests assembled from them.
+
+    engine = Engine.from_pretrained()                       # bundled SmolLM2-135M-Instruct
+    ids = [engine.cache_chunk(text) for text in docs]
+    out = engine.generate(chunks=ids, question="...", method="cachetune", ratio=0.15)
+    out.text, out.ttft_ms, out.recomputed_tokens
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from cachetune.chunks.encode import chunk_id, encode_chunk
+from cachetune.config import EngineConfig
+from cachetune.engine.decode import SamplingConfig, generate_tokens
+from cachetune.engine.layout import PromptLayout, Segment
+from cachetune.engine.prefill import PrefillResult, full_prefill, selective_prefill
+from cachetune.engine.prompt import DEFAULT_SYSTEM, PromptTemplate
+from cachetune.engine.selfcheck import ReuseRefusedError, run_self_check
+from cachetune.model.adapter import ModelAdapter
+from cachetune.model.loader import LoadedModel, load_model, model_fingerprint
+from cachetune.selectors import SELECTORS, get_selector
+from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
+from cachetune.store.disk import DiskStore
+from cachetune.store.memory import MemoryStore
+
+log = logging.getLogger(__name__)
+
+FULL_RECOMPUTE = "full_recompute"
+METHODS = (FULL_RECOMPUTE, *SELECTORS)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    ttft_ms: float            # request start (layout) to the first sampled token
+    prompt_tokens: int
+    recomputed_tokens: int    # chunk tokens recomputed in context (all of them for full_recompute)
+    computed_tokens: int      # all tokens that went through the layers during prefill
+    method: str
+    ratio: float
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, store: ChunkStore | None = None):
+        self.config = config or EngineConfig()
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        self.model = loaded.model.to(self.config.device)
+        self.tokenizer = loaded.tokenizer
+        self.name = loaded.name
+        self.adapter = ModelAdapter(self.model)
+        self.fingerprint = model_fingerprint(self.model)
+        self.template = PromptTemplate(self.tokenizer)
+        self.store = store or self._default_store(loaded)
+        self._tokens: dict[str, torch.Tensor] = {}  # ids cached by this engine, to re-encode after corruption
+        self.reuse_error: str | None = None
+        self.self_check_error: float | None = None
+        if self.config.self_check:
+            try:
+                self.self_check_error = run_self_check(self.adapter, self.fingerprint, self.model.config.vocab_size)
+            except ReuseRefusedError as exc:
+                self.reuse_error = str(exc)
+                log.error("%s", exc)
+
+    @classmethod
+    def from_pretrained(cls, spec: str | None = None, config: EngineConfig | None = None, **overrides) -> "Engine":
+        """Load a preset, HF directory or .gguf file. Keyword overrides are EngineConfig fields."""
+        config = replace(config or EngineConfig(), **({"model": spec} if spec else {}), **overrides)
+        return cls(load_model(config.model, dtype=config.torch_dtype), config)
+
+    def _default_store(self, loaded: LoadedModel) -> ChunkStore:
+        if self.config.store == "memory":
+            return MemoryStore()
+        root = Path(self.config.store_dir) if self.config.store_dir else loaded.source.parent.parent / "chunks"
+        return DiskStore(root, self.fingerprint)
+
+    # ---- chunks -------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> torch.Tensor:
+        return self.template.encode(text)
+
+    def cache_chunk(self, text: str) -> str:
+        """Encode `text` on its own once, rank its tokens and store it; returns its content-address id."""
+        return self.cache_tokens(self.tokenize(text))
+
+    def cache_tokens(self, token_ids: torch.Tensor) -> str:
+        cid = chunk_id(self.fingerprint, token_ids)
+        self._tokens[cid] = token_ids
+        if self._lookup(cid) is None:
+            self.store.put(encode_chunk(self.adapter, token_ids, self.fingerprint, self.config.alpha))
+        return cid
+
+    def _lookup(self, cid: str) -> StoredChunk | None:
+        try:
+            return self.store.get(cid)
+        except CorruptChunkError as exc:
+            log.warning("dropped corrupt chunk %s: %s", cid, exc)
+            return None
+
+    def chunk(self, cid: str) -> StoredChunk:
+        """The stored chunk; a missing or corrupt one is re-encoded if this engine knows its tokens."""
+        stored = self._lookup(cid)
+        if stored is None and cid in self._tokens:
+            self.store.put(encode_chunk(self.adapter, self._tokens[cid], self.fingerprint, self.config.alpha))
+            stored = self.store.get(cid)
+        if stored is None:
+            raise KeyError(f"chunk {cid} is not in the store; cache its text with cache_chunk() first")
+        return stored
+
+    # ---- requests -----------------------------------------------------------------------------
+    def layout(self, chunks: Sequence[str], question: str, system: str | None = None) -> PromptLayout:
+        """Template start + system prompt, the cached chunks in the given order, then the question."""
+        before, after = self.template.segments(DEFAULT_SYSTEM if system is None else system, question)
+        stored = [self.chunk(cid) for cid in chunks]
+        return PromptLayout([Segment(before), *(Segment(c.token_ids, c) for c in stored), Segment(after)])
+
+    def prefill(self, layout: PromptLayout, method: str = "cachetune", ratio: float = 0.15,
+                extra_capacity: int = 64) -> PrefillResult:
+        """Fill the KV cache for `layout` with `method`; `extra_capacity` rows are reserved for decoding."""
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+        capacity = layout.total + extra_capacity
+        if method == FULL_RECOMPUTE:
+            return full_prefill(self.adapter, layout, capacity)
+        if self.reuse_error is not None:
+            raise ReuseRefusedError(self.reuse_error)
+        selections = get_selector(method).select([s.chunk for _, s in layout.chunk_segments], ratio)
+        return selective_prefill(self.adapter, layout, selections, capacity, self.config.prefetch)
+
+    def stop_ids(self) -> set[int]:
+        ids = {self.tokenizer.eos_token_id}
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+        return {i for i in ids if i is not None}
+
+    @torch.no_grad()
+    def start_request(
+        self,
+        chunks: Sequence[str],
+        question: str,
+        system: str | None = None,
+        method: str = "cachetune",
+        ratio: float = 0.15,
+        extra_capacity: int = 64,
+    ) -> tuple[PrefillResult, float]:
+        """Everything a request pays before its first token: layout, selection, loading, prefill.
+
+        Returns the prefill and the time to the first token in ms (the argmax over the first logits
+        is included; sampling costs the same for every method).
+        """
+        start = time.perf_counter()
+        layout = self.layout(chunks, question, system)
+        result = self.prefill(layout, method, ratio, extra_capacity)
+        torch.argmax(result.logits)
+        return result, (time.perf_counter() - start) * 1000
+
+    @torch.no_grad()
+    def generate(
+        self,
+        chunks: Sequence[str],
+        question: str,
+        system: str | None = None,
+        method: str = "cachetune",
+        ratio: float = 0.15,
+        sampling: SamplingConfig | None = None,
+    ) -> GenerationResult:
+        """Answer `question` over the cached `chunks` (ids from cache_chunk, in prompt order)."""
+        sampling = sampling or SamplingConfig()
+        result, ttft_ms = self.start_request(chunks, question, system, method, ratio, sampling.max_new_tokens)
+        tokens = generate_tokens(self.adapter, result.cache, result.logits, sampling, self.stop_ids())
+        return GenerationResult(
+            text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+            token_ids=tokens,
+            ttft_ms=ttft_ms,
+            prompt_tokens=result.prompt_tokens,
+            recomputed_tokens=result.recomputed_chunk_tokens,
+            computed_tokens=result.computed_tokens,
+            method=method,
+            ratio=ratio if method != FULL_RECOMPUTE else 1.0,
+        )

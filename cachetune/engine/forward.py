@@ -1,0 +1,82 @@
+"""The fused selective forward: active tokens are computed, all other KV comes from the cache tier.
+
+One function serves chunk encoding (every token active, no reused KV), selective prefill (selected
+chunk tokens and uncached text active, the rest reused) and decoding (one new token active, everything
+before it already in the KVCache). At each layer:
+
+1. reused K/V for the layer (pre-RoPE keys, loaded while the previous layer computed) are rotated at
+   their global positions and written into the KVCache rows of those positions;
+2. active tokens get fresh Q/K/V from their current hidden states; K is rotated and written too;
+3. active queries attend over all rows up to their own position (causal by global position);
+4. output projection and MLP update the active hidden states, which feed the next layer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from cachetune.engine.attention import sparse_causal_attention
+from cachetune.engine.kv_cache import KVCache
+from cachetune.model.adapter import ModelAdapter
+
+
+class ReusedKV(Protocol):
+    """Source of reused KV, one layer at a time (see cachetune.engine.loading)."""
+
+    positions: torch.Tensor  # [R] global positions of the reused rows
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-RoPE keys and values [R, Hkv, D] of layer `index`, rows in `positions` order."""
+
+
+CaptureFn = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+def forward_active(
+    adapter: ModelAdapter,
+    hidden: torch.Tensor,
+    active_pos: torch.Tensor,
+    cache: KVCache,
+    rope: dict,
+    reused: ReusedKV | None = None,
+    capture: CaptureFn | None = None,
+    last_only: bool = False,
+) -> torch.Tensor:
+    """Run all layers for the active tokens and fill `cache` up to max(active_pos) + 1.
+
+    hidden: [T, hidden] embeddings of the active tokens; active_pos: [T] strictly increasing global
+    positions. rope: adapter.rope_tables over positions 0..capacity-1. `reused` must cover every
+    position below max(active_pos) that is neither active nor already in `cache`. `capture(layer,
+    k_pre_rope, v)` receives the active tokens' fresh K/V (chunk encoding stores these).
+    Returns the active tokens' final hidden states [T, hidden], or only the last one [1, hidden] with
+    `last_only`: the final layer still writes every active token's K/V (decoding needs them) but runs
+    attention and MLP for the last token alone, since nothing reads the other outputs.
+    """
+    end = int(active_pos[-1]) + 1
+    cache.ensure_capacity(end)
+    for layer in range(adapter.num_layers):
+        info = adapter.layer_info[layer]
+        cos, sin = rope[info.rope_kind]
+        if reused is not None and reused.positions.numel():
+            rk, rv = reused.layer(layer)
+            rp = reused.positions
+            cache.keys[layer].index_copy_(0, rp, adapter.rotate(rk, cos[rp], sin[rp]))
+            cache.values[layer].index_copy_(0, rp, rv)
+        q, k, v = adapter.project_qkv(layer, hidden)
+        if capture is not None:
+            capture(layer, k, v)
+        qcos, qsin = cos[active_pos], sin[active_pos]
+        q = adapter.rotate(q, qcos, qsin)
+        cache.keys[layer].index_copy_(0, active_pos, adapter.rotate(k, qcos, qsin))
+        cache.values[layer].index_copy_(0, active_pos, v)
+        q_pos = active_pos
+        if last_only and layer == adapter.num_layers - 1:
+            q, q_pos, hidden = q[-1:], active_pos[-1:], hidden[-1:]
+        attn = sparse_causal_attention(
+            q, cache.keys[layer, :end], cache.values[layer, :end], q_pos, info.scale, info.sliding_window
+        )
+        hidden = adapter.finish_layer(layer, hidden, attn)
+    cache.length = max(cache.length, end)
+    return hidden

@@ -1,0 +1,73 @@
+"""Prefill strategies: the model's own full forward, and selective recompute over cached chunks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cachetune.engine.forward import forward_active
+from cachetune.engine.kv_cache import KVCache
+from cachetune.engine.layout import PromptLayout
+from cachetune.engine.loading import LayerLoader
+from cachetune.model.adapter import ModelAdapter
+
+
+@dataclass
+class PrefillResult:
+    cache: KVCache          # rows [0, prompt_tokens) filled, room left for decoding
+    logits: torch.Tensor    # [vocab] float32, next-token logits after the last prompt token
+    prompt_tokens: int
+    computed_tokens: int    # tokens whose hidden states went through the layers
+    recomputed_chunk_tokens: int  # of those, tokens that belong to cached chunks
+
+
+@torch.no_grad()
+def full_prefill(adapter: ModelAdapter, layout: PromptLayout, capacity: int) -> PrefillResult:
+    """What a user would run without reuse: one plain forward of the model over the whole prompt."""
+    ids = layout.input_ids.to(adapter.device)
+    out = adapter.model(input_ids=ids[None], use_cache=True, logits_to_keep=1)
+    logits = out.logits[0, -1].float()
+    cache = KVCache.from_hf(out.cache, capacity)
+    n = layout.total
+    return PrefillResult(cache, logits, n, n, sum(s.token_ids.numel() for _, s in layout.chunk_segments))
+
+
+@torch.no_grad()
+def selective_prefill(
+    adapter: ModelAdapter,
+    layout: PromptLayout,
+    selections: list[torch.Tensor],
+    capacity: int,
+    prefetch: bool = True,
+) -> PrefillResult:
+    """Recompute uncached text and the selected chunk tokens; reuse all other chunk KV.
+
+    selections: per cached chunk (prompt order), sorted local indices to recompute.
+    """
+    chunks = layout.chunk_segments
+    if len(selections) != len(chunks):
+        raise ValueError(f"{len(selections)} selections for {len(chunks)} chunks")
+    active = torch.ones(layout.total, dtype=torch.bool)
+    parts = []
+    for (start, seg), chosen in zip(chunks, selections):
+        n = seg.token_ids.numel()
+        reuse = torch.ones(n, dtype=torch.bool)
+        reuse[chosen] = False
+        local = reuse.nonzero().flatten()
+        active[start + local] = False
+        parts.append((seg.chunk, local, start + local))
+    active_pos = active.nonzero().flatten()
+    device = adapter.device
+    ids = layout.input_ids[active_pos].to(device)
+    cache = KVCache.empty(
+        adapter.num_layers, max(capacity, layout.total), adapter.num_kv_heads, adapter.head_dim, adapter.dtype, device
+    )
+    rope = adapter.rope_tables(torch.arange(cache.capacity, device=device))
+    with LayerLoader(parts, adapter.num_layers, device, adapter.dtype, prefetch) as loader:
+        hidden = forward_active(
+            adapter, adapter.embed(ids), active_pos.to(device), cache, rope, reused=loader, last_only=True
+        )
+    logits = adapter.logits(hidden[-1:])[0]
+    recomputed = sum(int(s.numel()) for s in selections)
+    return PrefillResult(cache, logits, layout.total, int(active_pos.numel()), recomputed)

@@ -1,0 +1,107 @@
+"""Evaluation metrics as pure functions: answer F1 / EM, fidelity to a reference prefill, latency summaries.
+
+Answer scoring follows SQuAD / LongBench `qa_f1`: normalize, split on whitespace, bag-of-words F1, max
+over the gold answers. Like CacheBlend, only the first non-empty line of a generation is scored, since
+small models keep talking after the answer.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+_PUNCT = frozenset(string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def normalize_answer(s: str) -> str:
+    """SQuAD normalization: lower case, drop ASCII punctuation and a/an/the, squash whitespace."""
+    s = "".join(ch for ch in s.lower() if ch not in _PUNCT)
+    return " ".join(_ARTICLES.sub(" ", s).split())
+
+
+def first_line(prediction: str) -> str:
+    """The first line of `prediction` with any non-whitespace in it ("" when there is none)."""
+    return next((line for line in prediction.splitlines() if line.strip()), "")
+
+
+def _prediction_tokens(prediction: str, collapse_yes_no: bool) -> list[str]:
+    tokens = normalize_answer(first_line(prediction)).split()
+    # CacheBlend scores "Yes, he did." as "Yes"; matched on the whole first word here, so "Norway" stays.
+    if collapse_yes_no and tokens and tokens[0] in ("yes", "no"):
+        return tokens[:1]
+    return tokens
+
+
+def _token_f1(pred: list[str], gold: list[str]) -> float:
+    if not pred or not gold:
+        return float(pred == gold)  # SQuAD: an empty side scores 1 only when both are empty
+    same = sum((Counter(pred) & Counter(gold)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pred), same / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+def f1_score(prediction: str, answers: Sequence[str], *, collapse_yes_no: bool = False) -> float:
+    """Max token F1 of the first non-empty line of `prediction` over the gold `answers`.
+
+    `collapse_yes_no` applies CacheBlend's rule (a first word of yes/no is the whole answer); it matters
+    for 2WikiMQA, where some gold answers are "yes"/"no".
+    """
+    if not answers:
+        raise ValueError("f1_score needs at least one gold answer")
+    pred = _prediction_tokens(prediction, collapse_yes_no)
+    return max(_token_f1(pred, normalize_answer(a).split()) for a in answers)
+
+
+def exact_match(prediction: str, answers: Sequence[str], *, collapse_yes_no: bool = False) -> float:
+    """1.0 when the normalized first non-empty line of `prediction` equals a normalized gold answer."""
+    if not answers:
+        raise ValueError("exact_match needs at least one gold answer")
+    pred = " ".join(_prediction_tokens(prediction, collapse_yes_no))
+    return float(any(pred == normalize_answer(a) for a in answers))
+
+
+def kl_to_reference(ref_logits: Tensor, logits: Tensor) -> Tensor:
+    """Per-position KL(softmax(ref_logits) || softmax(logits)) in nats.
+
+    ref_logits, logits: [T, V] (any [..., V] works) -> [...], float32.
+    Computed from log_softmax in float32 so bf16 logits and huge vocabularies do not under/overflow.
+    """
+    if ref_logits.shape != logits.shape:
+        raise ValueError(f"logit shapes differ: {tuple(ref_logits.shape)} vs {tuple(logits.shape)}")
+    ref_logp = torch.log_softmax(ref_logits.float(), dim=-1)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    ref_p = ref_logp.exp()
+    # NOTE: tokens the reference gives probability 0 (masked to -inf) contribute 0, not 0 * inf = nan.
+    terms = torch.where(ref_p > 0, ref_p * (ref_logp - logp), torch.zeros_like(ref_p))
+    return terms.sum(dim=-1).clamp_min(0.0)  # KL >= 0; clamp float rounding noise like -1e-8
+
+
+def top1_agreement(ref_logits: Tensor, logits: Tensor) -> Tensor:
+    """Per-position bool: does the argmax token match the reference's? [T, V] -> [T]."""
+    if ref_logits.shape != logits.shape:
+        raise ValueError(f"logit shapes differ: {tuple(ref_logits.shape)} vs {tuple(logits.shape)}")
+    return ref_logits.argmax(dim=-1) == logits.argmax(dim=-1)
+
+
+def summarize(values: Iterable[float]) -> dict[str, float]:
+    """n, mean, median, p95 (linear interpolation, as numpy.percentile), min and max, e.g. of TTFTs."""
+    arr = np.asarray(list(values), dtype=np.float64)
+    if arr.size == 0:
+        raise ValueError("summarize needs at least one value")
+    return {
+        "n": float(arr.size),
+        "mean": float(arr.mean()),
+        "median": float(np.median(arr)),
+        "p95": float(np.percentile(arr, 95)),
+        "min": float(arr.min()),
+        "max": float(arr.max()),
+    }

@@ -1,0 +1,128 @@
+"""Drive a Hugging Face causal LM's own modules one layer at a time, on any subset of tokens.
+
+Selective recompute needs what a plain forward hides: the keys before RoPE, a forward over a sparse set
+of positions, and attention over a key buffer assembled from two sources. The adapter exposes exactly
+those steps and nothing else; it calls the model's embedding, norms, projections, rotary embedding, MLP
+and head, so no weight is ever copied into a home-made transformer. Families differ only in a few
+switches (q/k norm, sandwich norms, per-layer RoPE tables and sliding windows), read from the modules.
+
+Tensors here have no batch dimension: hidden [T, hidden], q [T, Hq, D], k/v [T, Hkv, D].
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+
+
+class UnsupportedModelError(ValueError):
+    """The architecture is not one the adapter knows how to drive layer by layer."""
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    scale: float                 # softmax scale the model's attention uses
+    sliding_window: int | None   # keys j visible to query p only if j > p - window
+    rope_kind: str | None        # key into the rotary module (Gemma 3 has one table per layer type)
+
+
+class ModelAdapter:
+    """Layer-by-layer access to a supported `transformers` causal LM (batch size 1)."""
+
+    def __init__(self, model: PreTrainedModel):
+        config = model.config
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model type {model_type!r} is not supported for KV reuse; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if getattr(config, "use_bidirectional_attention", False):
+            raise UnsupportedModelError("bidirectional attention cannot reuse causal chunk caches")
+        self.model = model
+        self.config = config
+        self.backbone = model.model
+        self.layers = list(self.backbone.layers[: config.num_hidden_layers])
+        attn = self.layers[0].self_attn
+        self.num_layers = len(self.layers)
+        self.head_dim = attn.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.has_qk_norm = hasattr(attn, "q_norm")
+        self.sandwich_norms = hasattr(self.layers[0], "pre_feedforward_layernorm")
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        self._rotate_half = importlib.import_module(type(model).__module__).rotate_half
+        layer_types = getattr(config, "layer_types", None)
+        self.layer_info = []
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            if getattr(a, "attn_logit_softcapping", None) is not None:
+                raise UnsupportedModelError("attention logit soft-capping is not supported")
+            window = a.sliding_window if hasattr(a, "sliding_window") else getattr(config, "sliding_window", None)
+            rope_kind = layer_types[i] if model_type == "gemma3_text" else None
+            self.layer_info.append(LayerInfo(float(a.scaling), window, rope_kind))
+
+    @property
+    def device(self) -> torch.device:
+        return self.backbone.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.backbone.embed_tokens.weight.dtype
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> hidden [T, hidden] (Gemma's scaled embedding is part of its module)."""
+        return self.backbone.embed_tokens(ids)
+
+    def rope_tables(self, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin [T, D] at `positions` for every RoPE kind the layers use, in the model dtype."""
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        pos = positions.view(1, -1)
+        tables = {}
+        for kind in {info.rope_kind for info in self.layer_info}:
+            if kind is None:
+                cos, sin = self.backbone.rotary_emb(probe, pos)
+            else:
+                cos, sin = self.backbone.rotary_emb(probe, pos, kind)
+            tables[kind] = (cos[0], sin[0])
+        return tables
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Apply RoPE: x [T, H, D], cos/sin [T, D] (the models' own rotate_half convention)."""
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return x * cos + self._rotate_half(x) * sin
+
+    def project_qkv(self, layer: int, hidden: torch.Tensor):
+        """Pre-RoPE q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] of `hidden` [T, hidden] at `layer`."""
+        block = self.layers[layer]
+        attn = block.self_attn
+        x = block.input_layernorm(hidden)
+        t = x.shape[0]
+        q = attn.q_proj(x).view(t, -1, self.head_dim)
+        k = attn.k_proj(x).view(t, -1, self.head_dim)
+        v = attn.v_proj(x).view(t, -1, self.head_dim)
+        if self.has_qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return q, k, v
+
+    def finish_layer(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Output projection, residuals and MLP: hidden [T, hidden], attn_out [T, Hq, D] -> [T, hidden]."""
+        block = self.layers[layer]
+        o = block.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
+        if self.sandwich_norms:
+            hidden = hidden + block.post_attention_layernorm(o)
+            return hidden + block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(hidden)))
+        hidden = hidden + o
+        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: hidden [T, hidden] -> logits [T, vocab] in float32."""
+        logits = self.model.lm_head(self.backbone.norm(hidden)).float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits

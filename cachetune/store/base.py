@@ -1,0 +1,57 @@
+"""The chunk store contract: where encoded chunks live between requests (one tier per implementation)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from cachetune.chunks.encode import EncodedChunk
+
+
+class CorruptChunkError(RuntimeError):
+    """A stored chunk failed its integrity or model check; it has been dropped from the store."""
+
+
+class StoredChunk(ABC):
+    """A handle to one stored chunk. Metadata is in memory; K/V are loaded per layer on demand."""
+
+    chunk_id: str
+    token_ids: torch.Tensor  # [N]
+    ranking: torch.Tensor    # [N] local indices, most worth recomputing first
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.numel())
+
+    @abstractmethod
+    def load_layer(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-RoPE keys and values [len(indices), Hkv, D] of `layer` for local token `indices`.
+
+        Only the requested rows are read from the tier: this is how the reuse complement is loaded
+        without touching the tokens that will be recomputed anyway.
+        """
+
+
+class ChunkStore(ABC):
+    """Maps chunk ids to stored chunks for one model.
+
+    Contract: `get` returns None for an unknown id and raises CorruptChunkError (after removing the
+    entry) for one that fails its checks, so a caller can re-encode; it never returns data it could
+    not verify. `put` of an id already present is a no-op (ids are content addresses).
+    """
+
+    @abstractmethod
+    def put(self, chunk: EncodedChunk) -> None: ...
+
+    @abstractmethod
+    def get(self, chunk_id: str) -> StoredChunk | None: ...
+
+    @abstractmethod
+    def remove(self, chunk_id: str) -> None: ...
+
+    def __contains__(self, chunk_id: str) -> bool:
+        try:
+            return self.get(chunk_id) is not None
+        except CorruptChunkError:
+            return False

@@ -1,0 +1,136 @@
+"""Disk tier: one safetensors file per chunk, verified before use, written atomically.
+
+Layout on disk: rows of `keys`/`values` ([L, N, Hkv, D]) are stored in ranking order, so the tokens a
+ranked selection recomputes are the first rows and the reuse complement is one contiguous tail that
+can be read alone. The header carries the model fingerprint, the chunk id and a sha256 of the data
+section; a file that fails any check is deleted and reported as CorruptChunkError, never used.
+safetensors holds plain tensors only, so nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+from cachetune.chunks.encode import ENCODING_VERSION, EncodedChunk, chunk_id
+from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
+
+FORMAT = "cachetune-chunk/1"
+
+
+def _data_section(blob: bytes) -> bytes:
+    (header_len,) = struct.unpack("<Q", blob[:8])
+    return blob[8 + header_len :]
+
+
+def serialize_chunk(chunk: EncodedChunk, fingerprint: str) -> bytes:
+    order = chunk.ranking
+    tensors = {
+        "token_ids": chunk.token_ids.to(torch.int64).contiguous(),
+        "ranking": order.to(torch.int64).contiguous(),
+        "keys": chunk.keys.index_select(1, order).contiguous(),
+        "values": chunk.values.index_select(1, order).contiguous(),
+    }
+    meta = {"format": FORMAT, "chunk_id": chunk.chunk_id, "fingerprint": fingerprint, "encoding": ENCODING_VERSION}
+    # The checksum covers the data section, which does not change when the header gains the checksum.
+    digest = hashlib.sha256(_data_section(save(tensors, metadata=meta))).hexdigest()
+    return save(tensors, metadata={**meta, "sha256": digest})
+
+
+class DiskChunk(StoredChunk):
+    def __init__(self, path: Path, meta: dict, token_ids: torch.Tensor, ranking: torch.Tensor):
+        self.path = path
+        self.chunk_id = meta["chunk_id"]
+        self.token_ids = token_ids
+        self.ranking = ranking
+        self._rank_of = torch.empty_like(ranking)
+        self._rank_of[ranking] = torch.arange(ranking.numel())
+        self._file = safe_open(str(path), framework="pt")
+
+    def load_layer(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self._rank_of[indices.cpu()]
+        if rows.numel() == 0:
+            lo, hi = 0, 0
+        else:
+            lo, hi = int(rows.min()), int(rows.max()) + 1
+        # Read only the covering row range of this layer (the whole request for a ranked complement).
+        k = self._file.get_slice("keys")[layer : layer + 1, lo:hi][0]
+        v = self._file.get_slice("values")[layer : layer + 1, lo:hi][0]
+        local = rows - lo
+        return k.index_select(0, local), v.index_select(0, local)
+
+
+class DiskStore(ChunkStore):
+    """Chunks under `root/<fingerprint prefix>/`, so several models can share one directory."""
+
+    def __init__(self, root: str | Path, fingerprint: str):
+        self.fingerprint = fingerprint
+        self.root = Path(root) / fingerprint[:16]
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._verified: dict[str, DiskChunk] = {}
+
+    def path(self, chunk_id: str) -> Path:
+        return self.root / f"{chunk_id}.safetensors"
+
+    def put(self, chunk: EncodedChunk) -> None:
+        target = self.path(chunk.chunk_id)
+        if target.exists():
+            return
+        blob = serialize_chunk(chunk, self.fingerprint)
+        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)  # atomic: readers see the old state or the whole new file
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def get(self, chunk_id: str) -> DiskChunk | None:
+        cached = self._verified.get(chunk_id)
+        if cached is not None and cached.path.exists():
+            return cached
+        path = self.path(chunk_id)
+        if not path.exists():
+            return None
+        try:
+            stored = self._verify(path, chunk_id)
+        except CorruptChunkError:
+            path.unlink(missing_ok=True)
+            raise
+        self._verified[chunk_id] = stored
+        return stored
+
+    def _verify(self, path: Path, expected_id: str) -> DiskChunk:
+        """Full check once per process: header, checksum, model fingerprint and content address."""
+        blob = path.read_bytes()
+        try:
+            (header_len,) = struct.unpack("<Q", blob[:8])
+            meta = json.loads(blob[8 : 8 + header_len])["__metadata__"]
+        except Exception as exc:  # any parse failure means the file is not ours or is truncated
+            raise CorruptChunkError(f"{path}: unreadable header ({exc})") from None
+        if meta.get("format") != FORMAT or meta.get("encoding") != ENCODING_VERSION:
+            raise CorruptChunkError(f"{path}: format {meta.get('format')!r}/{meta.get('encoding')!r} not supported")
+        if meta.get("fingerprint") != self.fingerprint:
+            raise CorruptChunkError(f"{path}: encoded by another model (fingerprint mismatch)")
+        if hashlib.sha256(_data_section(blob)).hexdigest() != meta.get("sha256"):
+            raise CorruptChunkError(f"{path}: checksum mismatch")
+        with safe_open(str(path), framework="pt") as f:
+            token_ids, ranking = f.get_tensor("token_ids"), f.get_tensor("ranking")
+        if meta.get("chunk_id") != expected_id or chunk_id(self.fingerprint, token_ids) != expected_id:
+            raise CorruptChunkError(f"{path}: content does not match chunk id {expected_id}")
+        return DiskChunk(path, meta, token_ids, ranking)
+
+    def remove(self, chunk_id: str) -> None:
+        self._verified.pop(chunk_id, None)
+        self.path(chunk_id).unlink(missing_ok=True)
