@@ -60,8 +60,12 @@ def make_config(family: str):
         return MistralConfig(**_COMMON, sliding_window=64)
     if family == "qwen2":
         return Qwen2Config(**_COMMON)
+    if family == "qwen2_sliding":  # per-layer windows: layer 0 full, layers >= 1 sliding
+        return Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=64, max_window_layers=1)
     if family == "qwen3":
         return Qwen3Config(**_COMMON, head_dim=16)
+    if family == "qwen3_head24":  # head_dim * heads != hidden_size (as in e.g. Qwen3, Mistral Nemo)
+        return Qwen3Config(**_COMMON, head_dim=24)
     if family in ("gemma3_text", "gemma3_text_softcap"):
         extra = {"final_logit_softcapping": 5.0} if family.endswith("softcap") else {}
         return Gemma3TextConfig(
@@ -167,3 +171,163 @@ def hf_layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated keys and values [T, Hkv, D] of one layer of an HF cache ([1, Hkv, T, D])."""
     entry = cache.layers[layer]
     return entry.keys[0].transpose(0, 1), entry.values[0].transpose(0, 1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# HF-only references for selective prefill (never cachetune code):
+# - full recompute: HF forward of the whole prompt;
+# - full reuse (ratio 0): every chunk run alone through HF with position_ids at its global offset (RoPE
+#   is relative, so this is the chunk encoded alone with keys rotated where it lands); uncached text run
+#   through HF on top of a DynamicCache holding everything before it;
+# - partial reuse: HF forward of the whole prompt with hooks on k_proj (k_norm where the model has one)
+#   and v_proj that overwrite the rows of non-recomputed chunk tokens with the chunk's independent
+#   pre-RoPE K/V. A position's state depends on other positions only through their K/V, so this is
+#   exactly "recompute the selected tokens in context, reuse the rest".
+
+
+def hf_cache_from_rows(ks: list[torch.Tensor], vs: list[torch.Tensor]) -> DynamicCache:
+    """DynamicCache (all layers full) holding rotated keys/values given as [T, Hkv, D] per layer."""
+    cache = DynamicCache()
+    for layer, (k, v) in enumerate(zip(ks, vs)):
+        cache.update(k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous(), layer)
+    return cache
+
+
+@torch.no_grad()
+def hf_concat_reference(model, parts):
+    """Full KV reuse built with HF only. parts: [(ids, cached)], last part uncached.
+
+    Returns (last-token logits [vocab], keys, values) with keys/values lists of [T, Hkv, D] per layer.
+    """
+    num_layers = model.config.num_hidden_layers
+    ks = [[] for _ in range(num_layers)]
+    vs = [[] for _ in range(num_layers)]
+    start, logits = 0, None
+    for ids, cached in parts:
+        n = ids.numel()
+        pos = torch.arange(start, start + n)
+        if cached:
+            _, cache = hf_forward(model, ids, pos)  # the chunk alone, keys rotated at global positions
+            new = [hf_layer_kv(cache, i) for i in range(num_layers)]
+        else:
+            past = hf_cache_from_rows([torch.cat(k) for k in ks], [torch.cat(v) for v in vs]) if start else None
+            out, cache = hf_forward(model, ids, pos, cache=past)
+            logits = out[-1]
+            new = [(k[start:], v[start:]) for k, v in (hf_layer_kv(cache, i) for i in range(num_layers))]
+        for i, (k, v) in enumerate(new):
+            ks[i].append(k)
+            vs[i].append(v)
+        start += n
+    return logits, [torch.cat(k) for k in ks], [torch.cat(v) for v in vs]
+
+
+def _kv_modules(model):
+    """Per layer: (module whose output is the pre-RoPE key, module whose output is the value)."""
+    out = []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        out.append((attn.k_norm if hasattr(attn, "k_norm") else attn.k_proj, attn.v_proj))
+    return out
+
+
+def _tokens_first(x: torch.Tensor, n: int) -> torch.Tensor:
+    """View of a projection/norm output with the token axis at dim 1 ([1, n, ...]).
+
+    k_proj/v_proj give [1, T, H*D]; Qwen 3 normalises k as [1, T, H, D], Gemma 3 as [1, H, T, D].
+    """
+    if x.shape[1] == n:
+        return x
+    assert x.dim() == 4 and x.shape[2] == n, tuple(x.shape)
+    return x.movedim(2, 1)
+
+
+@torch.no_grad()
+def _capture_pre_rope(model, ids: torch.Tensor):
+    """Independent (chunk alone, positions 0..n-1) pre-RoPE K and V outputs of every layer, via hooks."""
+    captured, handles = {}, []
+    n = ids.numel()
+    for i, (kmod, vmod) in enumerate(_kv_modules(model)):
+        for kind, mod in (("k", kmod), ("v", vmod)):
+            hook = lambda m, a, o, key=(kind, i): captured.__setitem__(key, _tokens_first(o, n).clone())  # noqa: E731
+            handles.append(mod.register_forward_hook(hook))
+    try:
+        hf_forward(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
+
+
+@torch.no_grad()
+def hf_partial_reference(model, parts, selections):
+    """Selective recompute built on HF's forward: rows of non-selected chunk tokens get independent K/V.
+
+    parts: [(ids, cached)]; selections: per cached part, local indices recomputed in context.
+    Returns (last-token logits [vocab], keys, values) like hf_concat_reference.
+    """
+    # global position -> (("k"/"v", layer) -> replacement row), collected per chunk
+    replace_pos, sources = [], []
+    start, sel_iter = 0, iter(selections)
+    for ids, cached in parts:
+        if cached:
+            chosen = next(sel_iter)
+            keep = torch.ones(ids.numel(), dtype=torch.bool)
+            keep[chosen] = False
+            local = keep.nonzero().flatten()
+            replace_pos.append(start + local)
+            sources.append((_capture_pre_rope(model, ids), local))
+        start += ids.numel()
+    handles, total = [], start
+
+    def make_hook(kind, layer):
+        def hook(module, args, output):
+            output = output.clone()
+            rows = _tokens_first(output, total)  # a view: writes land in `output`
+            for pos, (captured, local) in zip(replace_pos, sources):
+                rows[0, pos] = captured[(kind, layer)][0, local]
+            return output
+
+        return hook
+
+    for i, (kmod, vmod) in enumerate(_kv_modules(model)):
+        handles.append(kmod.register_forward_hook(make_hook("k", i)))
+        handles.append(vmod.register_forward_hook(make_hook("v", i)))
+    try:
+        logits, cache = hf_forward(model, torch.cat([ids for ids, _ in parts]))
+    finally:
+        for h in handles:
+            h.remove()
+    kv = [hf_layer_kv(cache, i) for i in range(model.config.num_hidden_layers)]
+    return logits[-1], [k for k, _ in kv], [v for _, v in kv]
+
+
+def assert_cache_matches(result, keys, values, tol=1e-4, rows=None, what=""):
+    """Compare PrefillResult.cache rows (all, or `rows`) with reference per-layer [T, Hkv, D]."""
+    n = keys[0].shape[0]
+    assert result.cache.length == n
+    idx = torch.arange(n) if rows is None else rows
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        assert_close(k[idx], result.cache.keys[layer, :n][idx], tol, f"{what} keys layer {layer}")
+        assert_close(v[idx], result.cache.values[layer, :n][idx], tol, f"{what} values layer {layer}")
+
+
+def all_selected(layout):
+    return [torch.arange(seg.token_ids.numel()) for _, seg in layout.chunk_segments]
+
+
+def none_selected(layout):
+    return [torch.empty(0, dtype=torch.int64) for _ in layout.chunk_segments]
+
+
+def random_selected(layout, ratio: float, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _, seg in layout.chunk_segments:
+        n = seg.token_ids.numel()
+        out.append(torch.randperm(n, generator=g)[: int(round(ratio * n))].sort().values)
+    return out
+
+
+def generated_ids(decoded) -> list[int]:
+    """generate_tokens returns the id list (older versions: an object with .ids)."""
+    return list(getattr(decoded, "ids", decoded))

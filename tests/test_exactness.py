@@ -1,161 +1,34 @@
 """Exactness of selective prefill and decoding on a tiny Llama, against Hugging Face's own forward.
 
-References are built with HF only:
-- full recompute: HF forward of the whole prompt;
-- full reuse (ratio 0): every chunk run alone through HF with position_ids at its global offset (RoPE
-  is relative, so this is the chunk encoded alone with keys rotated where it lands), uncached text run
-  through HF on top of a DynamicCache holding everything before it;
-- partial reuse: HF forward of the whole prompt with hooks on k_proj / v_proj that overwrite the rows of
-  non-recomputed chunk tokens with the chunk's independent (pre-RoPE) K/V. A position's state depends
-  on other positions only through their K/V, so this is exactly "recompute the selected tokens in
-  context, reuse the rest".
+References are HF-only; see the hf_*_reference builders in conftest.py.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from cachetune.engine.decode import SamplingConfig, extend, generate_tokens
 from cachetune.engine.prefill import full_prefill, selective_prefill
-from conftest import assert_close, build_layout, hf_forward, hf_layer_kv, rand_ids, rel_err
+from conftest import (
+    hf_cache_from_rows,
+    all_selected,
+    assert_cache_matches,
+    assert_close,
+    build_layout,
+    generated_ids,
+    hf_concat_reference,
+    hf_forward,
+    hf_layer_kv,
+    hf_partial_reference,
+    none_selected,
+    rand_ids,
+    random_selected,
+    rel_err,
+)
 
 TOL = 1e-4
 FAMILY = "llama"
-
-
-# ----------------------------------------------------------------------------------------------------
-# HF-only references (shared with test_families.py)
-
-
-def _cache_from_rows(ks: list[torch.Tensor], vs: list[torch.Tensor]) -> DynamicCache:
-    """DynamicCache (all layers full) holding rotated keys/values given as [T, Hkv, D] per layer."""
-    cache = DynamicCache()
-    for layer, (k, v) in enumerate(zip(ks, vs)):
-        cache.update(k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous(), layer)
-    return cache
-
-
-@torch.no_grad()
-def hf_concat_reference(model, parts):
-    """Full KV reuse built with HF only. parts: [(ids, cached)], last part uncached.
-
-    Returns (last-token logits [vocab], keys, values) with keys/values lists of [T, Hkv, D] per layer.
-    """
-    num_layers = model.config.num_hidden_layers
-    ks = [[] for _ in range(num_layers)]
-    vs = [[] for _ in range(num_layers)]
-    start, logits = 0, None
-    for ids, cached in parts:
-        n = ids.numel()
-        pos = torch.arange(start, start + n)
-        if cached:
-            _, cache = hf_forward(model, ids, pos)  # the chunk alone, keys rotated at global positions
-            new = [hf_layer_kv(cache, i) for i in range(num_layers)]
-        else:
-            past = _cache_from_rows([torch.cat(k) for k in ks], [torch.cat(v) for v in vs]) if start else None
-            out, cache = hf_forward(model, ids, pos, cache=past)
-            logits = out[-1]
-            new = [(k[start:], v[start:]) for k, v in (hf_layer_kv(cache, i) for i in range(num_layers))]
-        for i, (k, v) in enumerate(new):
-            ks[i].append(k)
-            vs[i].append(v)
-        start += n
-    return logits, [torch.cat(k) for k in ks], [torch.cat(v) for v in vs]
-
-
-def _kv_modules(model):
-    """Per layer: (module whose output is the pre-RoPE key, module whose output is the value)."""
-    out = []
-    for layer in model.model.layers:
-        attn = layer.self_attn
-        out.append((attn.k_norm if hasattr(attn, "k_norm") else attn.k_proj, attn.v_proj))
-    return out
-
-
-@torch.no_grad()
-def _capture_pre_rope(model, ids: torch.Tensor):
-    """Independent (chunk alone, positions 0..n-1) pre-RoPE K and V outputs of every layer, via hooks."""
-    captured, handles = {}, []
-    for i, (kmod, vmod) in enumerate(_kv_modules(model)):
-        handles.append(kmod.register_forward_hook(lambda m, a, o, i=i: captured.__setitem__(("k", i), o.clone())))
-        handles.append(vmod.register_forward_hook(lambda m, a, o, i=i: captured.__setitem__(("v", i), o.clone())))
-    try:
-        hf_forward(model, ids)
-    finally:
-        for h in handles:
-            h.remove()
-    return captured
-
-
-@torch.no_grad()
-def hf_partial_reference(model, parts, selections):
-    """Selective recompute built on HF's forward: rows of non-selected chunk tokens get independent K/V.
-
-    parts: [(ids, cached)]; selections: per cached part, local indices recomputed in context.
-    Returns (last-token logits [vocab], keys, values) like hf_concat_reference.
-    """
-    # global position -> (("k"/"v", layer) -> replacement row), collected per chunk
-    replace_pos, sources = [], []
-    start, sel_iter = 0, iter(selections)
-    for ids, cached in parts:
-        if cached:
-            chosen = next(sel_iter)
-            keep = torch.ones(ids.numel(), dtype=torch.bool)
-            keep[chosen] = False
-            local = keep.nonzero().flatten()
-            replace_pos.append(start + local)
-            sources.append((_capture_pre_rope(model, ids), local))
-        start += ids.numel()
-    handles = []
-
-    def make_hook(kind, layer):
-        def hook(module, args, output):
-            output = output.clone()
-            for pos, (captured, local) in zip(replace_pos, sources):
-                output[0, pos] = captured[(kind, layer)][0, local]
-            return output
-
-        return hook
-
-    for i, (kmod, vmod) in enumerate(_kv_modules(model)):
-        handles.append(kmod.register_forward_hook(make_hook("k", i)))
-        handles.append(vmod.register_forward_hook(make_hook("v", i)))
-    try:
-        logits, cache = hf_forward(model, torch.cat([ids for ids, _ in parts]))
-    finally:
-        for h in handles:
-            h.remove()
-    kv = [hf_layer_kv(cache, i) for i in range(model.config.num_hidden_layers)]
-    return logits[-1], [k for k, _ in kv], [v for _, v in kv]
-
-
-def assert_cache_matches(result, keys, values, tol=TOL, rows=None, what=""):
-    """Compare PrefillResult.cache rows (all, or `rows`) with reference per-layer [T, Hkv, D]."""
-    n = keys[0].shape[0]
-    assert result.cache.length == n
-    idx = torch.arange(n) if rows is None else rows
-    for layer, (k, v) in enumerate(zip(keys, values)):
-        assert_close(k[idx], result.cache.keys[layer, :n][idx], tol, f"{what} keys layer {layer}")
-        assert_close(v[idx], result.cache.values[layer, :n][idx], tol, f"{what} values layer {layer}")
-
-
-def all_selected(layout):
-    return [torch.arange(seg.token_ids.numel()) for _, seg in layout.chunk_segments]
-
-
-def none_selected(layout):
-    return [torch.empty(0, dtype=torch.int64) for _ in layout.chunk_segments]
-
-
-def random_selected(layout, ratio: float, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _, seg in layout.chunk_segments:
-        n = seg.token_ids.numel()
-        out.append(torch.randperm(n, generator=g)[: int(round(ratio * n))].sort().values)
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -184,6 +57,14 @@ def parts_of(pieces, order):
 
 
 BASE = ["prefix", "A", "B", "C", "q"]
+ORDERS = [
+    BASE,
+    ["prefix", "C", "A", "B", "q"],
+    ["long_prefix", "B", "C", "A", "q"],
+    ["A", "q", "B", "C", "q"],
+    ["prefix", "A", "B", "A", "q"],
+]
+ORDER_IDS = ["base", "reordered", "longer-prefix-reordered", "chunk-first-text-between", "same-chunk-twice"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -192,8 +73,8 @@ BASE = ["prefix", "A", "B", "C", "q"]
 
 @pytest.mark.parametrize(
     "order",
-    [BASE, ["prefix", "C", "A", "B", "q"], ["long_prefix", "B", "C", "A", "q"], ["A", "q", "B", "C", "q"]],
-    ids=["base", "reordered", "longer-prefix-reordered", "chunk-first-text-between"],
+    ORDERS,
+    ids=ORDER_IDS,
 )
 def test_ratio_one_reproduces_full_forward_and_cache(llama, pieces, order):
     model, adapter = llama
@@ -227,8 +108,8 @@ def test_full_prefill_matches_hf_forward_and_cache(llama, pieces):
 
 @pytest.mark.parametrize(
     "order",
-    [BASE, ["prefix", "C", "A", "B", "q"], ["long_prefix", "B", "C", "A", "q"], ["A", "q", "B", "C", "q"]],
-    ids=["base", "reordered", "longer-prefix-reordered", "chunk-first-text-between"],
+    ORDERS,
+    ids=ORDER_IDS,
 )
 def test_ratio_zero_equals_concatenated_independent_caches(llama, pieces, order):
     model, adapter = llama
@@ -255,6 +136,16 @@ def test_single_chunk_at_position_zero_ratio_zero_equals_full_prefill(llama, pie
     kv = [hf_layer_kv(ref_cache, i) for i in range(adapter.num_layers)]
     assert_cache_matches(res, [k for k, _ in kv], [v for _, v in kv], what="chunk@0 r=0")
     assert res.computed_tokens == pieces["q"].numel()
+
+
+def test_prompt_without_cached_chunks_is_plain_forward(llama, pieces):
+    model, adapter = llama
+    layout, _ = build_layout(adapter, [(torch.cat([pieces["long_prefix"], pieces["A"], pieces["B"]]), False)])
+    ref_logits, ref_cache = hf_forward(model, layout.input_ids)
+    res = selective_prefill(adapter, layout, [], layout.total)
+    assert_close(ref_logits[-1], res.logits, TOL, "logits")
+    kv = [hf_layer_kv(ref_cache, i) for i in range(adapter.num_layers)]
+    assert_cache_matches(res, [k for k, _ in kv], [v for _, v in kv], what="no chunks")
 
 
 def test_same_chunk_objects_reused_at_new_positions(llama, pieces):
@@ -347,11 +238,6 @@ def test_wrong_number_of_selections_rejected(llama, pieces):
 # Decoding
 
 
-def generated_ids(decoded) -> list[int]:
-    """generate_tokens returns the id list (older versions: an object with .ids)."""
-    return list(getattr(decoded, "ids", decoded))
-
-
 def _hf_greedy(model, ids, n):
     out = model.generate(ids[None], max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, ids.numel():].tolist()
@@ -413,7 +299,7 @@ def test_extend_after_reuse_matches_hf_on_reference_cache(llama, pieces, ratio):
     _, ks, vs = hf_partial_reference(model, parts, selections)
     forced = torch.tensor(rand_ids(6, 98).tolist())
     n = layout.total
-    ref, _ = hf_forward(model, forced, torch.arange(n, n + 6), cache=_cache_from_rows(ks, vs))
+    ref, _ = hf_forward(model, forced, torch.arange(n, n + 6), cache=hf_cache_from_rows(ks, vs))
     res = selective_prefill(adapter, layout, selections, n)
     got = extend(adapter, res.cache, forced.tolist())
     assert_close(ref, got, TOL, f"extend after r={ratio}")

@@ -49,6 +49,8 @@ class KVCache:
         layers = cache.layers
         first = layers[0].keys
         t = first.shape[2]
+        if any(layer.keys.shape[2] != t for layer in layers):
+            raise ValueError("cache layers hold different lengths (a sliding-window cache?); cannot copy")
         out = cls.empty(len(layers), max(capacity, t), first.shape[1], first.shape[3], first.dtype, first.device)
         for i, layer in enumerate(layers):
             out.keys[i, :t] = layer.keys[0].transpose(0, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
 from cachetune.engine.forward import forward_active
 from cachetune.engine.kv_cache import KVCache
@@ -26,7 +27,9 @@ class PrefillResult:
 def full_prefill(adapter: ModelAdapter, layout: PromptLayout, capacity: int) -> PrefillResult:
     """What a user would run without reuse: one plain forward of the model over the whole prompt."""
     ids = layout.input_ids.to(adapter.device)
-    out = adapter.model(input_ids=ids[None], use_cache=True, logits_to_keep=1)
+    # An explicit config-less DynamicCache keeps every row of every layer; the default cache would
+    # drop rows outside a sliding window, which decoding from our cache still needs for other layers.
+    out = adapter.model(input_ids=ids[None], cache=DynamicCache(), use_cache=True, logits_to_keep=1)
     logits = out.logits[0, -1].float()
     cache = KVCache.from_hf(out.cache, capacity)
     n = layout.total
@@ -50,8 +53,13 @@ def selective_prefill(
         raise ValueError(f"{len(selections)} selections for {len(chunks)} chunks")
     active = torch.ones(layout.total, dtype=torch.bool)
     parts = []
+    recomputed = 0
     for (start, seg), chosen in zip(chunks, selections):
         n = seg.token_ids.numel()
+        chosen = torch.unique(chosen)  # a set of local indices: order and repeats carry no meaning
+        if chosen.numel() and (chosen[0] < 0 or chosen[-1] >= n):
+            raise ValueError(f"selected local indices must lie in [0, {n})")
+        recomputed += chosen.numel()
         reuse = torch.ones(n, dtype=torch.bool)
         reuse[chosen] = False
         local = reuse.nonzero().flatten()
@@ -69,5 +77,4 @@ def selective_prefill(
             adapter, adapter.embed(ids), active_pos.to(device), cache, rope, reused=loader, last_only=True
         )
     logits = adapter.logits(hidden[-1:])[0]
-    recomputed = sum(int(s.numel()) for s in selections)
     return PrefillResult(cache, logits, layout.total, int(active_pos.numel()), recomputed)

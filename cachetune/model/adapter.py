@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}
 
 
 class UnsupportedModelError(ValueError):
@@ -42,6 +43,11 @@ class ModelAdapter:
                 f"model type {model_type!r} is not supported for KV reuse; "
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        rope = getattr(config, "rope_parameters", None) or {}
+        kinds = {rope.get("rope_type")} if "rope_type" in rope else {p.get("rope_type") for p in rope.values()}
+        if kinds & LENGTH_DEPENDENT_ROPE:
+            # Their tables change with sequence length, so keys rotated for one layout are wrong in another.
+            raise UnsupportedModelError(f"RoPE type(s) {sorted(kinds & LENGTH_DEPENDENT_ROPE)} are not supported")
         if getattr(config, "use_bidirectional_attention", False):
             raise UnsupportedModelError("bidirectional attention cannot reuse causal chunk caches")
         self.model = model

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 import tempfile
 from pathlib import Path
@@ -26,9 +27,21 @@ from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
 FORMAT = "cachetune-chunk/1"
 
 
-def _data_section(blob: bytes) -> bytes:
+_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def _split(blob: bytes) -> tuple[dict, bytes]:
+    """(header JSON, data section) of a safetensors blob."""
     (header_len,) = struct.unpack("<Q", blob[:8])
-    return blob[8 + header_len :]
+    return json.loads(blob[8 : 8 + header_len]), blob[8 + header_len :]
+
+
+def _digest(header: dict, data: bytes) -> str:
+    """sha256 over every tensor's dtype, shape and offsets plus the data section: all but the metadata."""
+    layout = {name: spec for name, spec in header.items() if name != "__metadata__"}
+    h = hashlib.sha256(json.dumps(layout, sort_keys=True).encode())
+    h.update(data)
+    return h.hexdigest()
 
 
 def serialize_chunk(chunk: EncodedChunk, fingerprint: str) -> bytes:
@@ -40,9 +53,30 @@ def serialize_chunk(chunk: EncodedChunk, fingerprint: str) -> bytes:
         "values": chunk.values.index_select(1, order).contiguous(),
     }
     meta = {"format": FORMAT, "chunk_id": chunk.chunk_id, "fingerprint": fingerprint, "encoding": ENCODING_VERSION}
-    # The checksum covers the data section, which does not change when the header gains the checksum.
-    digest = hashlib.sha256(_data_section(save(tensors, metadata=meta))).hexdigest()
+    # Tensor layout and data do not change when the metadata gains the checksum, so hash them first.
+    digest = _digest(*_split(save(tensors, metadata=meta)))
     return save(tensors, metadata={**meta, "sha256": digest})
+
+
+def _check_layout(path: Path, header: dict) -> None:
+    """The four tensors exist with the dtypes and mutually consistent shapes a chunk must have."""
+    try:
+        ids, ranking, keys, values = (header[n] for n in ("token_ids", "ranking", "keys", "values"))
+    except KeyError as exc:
+        raise CorruptChunkError(f"{path}: missing tensor {exc}") from None
+    n = ids["shape"]
+    ok = (
+        ids["dtype"] == ranking["dtype"] == "I64"
+        and len(n) == 1
+        and ranking["shape"] == n
+        and keys["shape"] == values["shape"]
+        and keys["dtype"] == values["dtype"]
+        and keys["dtype"] in ("F32", "BF16", "F16")
+        and len(keys["shape"]) == 4
+        and keys["shape"][1] == n[0]
+    )
+    if not ok:
+        raise CorruptChunkError(f"{path}: tensor layout is not a chunk's")
 
 
 class DiskChunk(StoredChunk):
@@ -78,6 +112,8 @@ class DiskStore(ChunkStore):
         self._verified: dict[str, DiskChunk] = {}
 
     def path(self, chunk_id: str) -> Path:
+        if not _ID.match(chunk_id):  # ids are content addresses; anything else could escape the folder
+            raise ValueError(f"malformed chunk id {chunk_id!r}")
         return self.root / f"{chunk_id}.safetensors"
 
     def put(self, chunk: EncodedChunk) -> None:
@@ -112,23 +148,31 @@ class DiskStore(ChunkStore):
         return stored
 
     def _verify(self, path: Path, expected_id: str) -> DiskChunk:
-        """Full check once per process: header, checksum, model fingerprint and content address."""
+        """Full check: header, checksum, model fingerprint, content address and tensor shapes.
+
+        It runs on the first `get` of an id in this store instance; later gets reuse the verified
+        handle (re-hashing on every request would cost more than the sparse load it precedes). A file
+        rewritten behind a live store is not re-checked until the store is reopened.
+        """
         blob = path.read_bytes()
         try:
-            (header_len,) = struct.unpack("<Q", blob[:8])
-            meta = json.loads(blob[8 : 8 + header_len])["__metadata__"]
+            header, data = _split(blob)
+            meta = header["__metadata__"]
         except Exception as exc:  # any parse failure means the file is not ours or is truncated
             raise CorruptChunkError(f"{path}: unreadable header ({exc})") from None
         if meta.get("format") != FORMAT or meta.get("encoding") != ENCODING_VERSION:
             raise CorruptChunkError(f"{path}: format {meta.get('format')!r}/{meta.get('encoding')!r} not supported")
         if meta.get("fingerprint") != self.fingerprint:
             raise CorruptChunkError(f"{path}: encoded by another model (fingerprint mismatch)")
-        if hashlib.sha256(_data_section(blob)).hexdigest() != meta.get("sha256"):
+        if _digest(header, data) != meta.get("sha256"):
             raise CorruptChunkError(f"{path}: checksum mismatch")
+        _check_layout(path, header)
         with safe_open(str(path), framework="pt") as f:
             token_ids, ranking = f.get_tensor("token_ids"), f.get_tensor("ranking")
         if meta.get("chunk_id") != expected_id or chunk_id(self.fingerprint, token_ids) != expected_id:
             raise CorruptChunkError(f"{path}: content does not match chunk id {expected_id}")
+        if not torch.equal(ranking.sort().values, torch.arange(ranking.numel())):
+            raise CorruptChunkError(f"{path}: ranking is not a permutation of the chunk's tokens")
         return DiskChunk(path, meta, token_ids, ranking)
 
     def remove(self, chunk_id: str) -> None:

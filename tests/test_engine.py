@@ -1,0 +1,129 @@
+"""The Engine as a user drives it, on the real bundled SmolLM2-135M-Instruct (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachetune import Engine, EngineConfig, SamplingConfig
+from cachetune.engine.layout import PromptLayout, Segment
+from cachetune.engine.selfcheck import ReuseRefusedError
+from cachetune.model.adapter import ModelAdapter
+from cachetune.model.loader import load_model
+
+pytestmark = pytest.mark.real_model
+
+DOCS = [
+    "The Amazon river flows through Brazil, Peru and Colombia and empties into the Atlantic Ocean.\n\n",
+    "Mount Kilimanjaro is the highest mountain in Africa; it stands in Tanzania near the Kenyan border.\n\n",
+    "The Eiffel Tower was completed in 1889 in Paris for the World's Fair and is made of wrought iron.\n\n",
+]
+QUESTION = "In which country is Mount Kilimanjaro?"
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(None, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def engine(loaded):
+    return Engine(loaded, EngineConfig(threads=2))
+
+
+def _rel_err(ref, got):
+    return float((ref - got).abs().max() / ref.abs().max())
+
+
+def test_self_check_passes_on_the_bundled_model(engine):
+    assert engine.reuse_error is None
+    assert engine.self_check_error < 1e-4
+
+
+def test_cache_chunk_is_a_content_address(engine):
+    a = engine.cache_chunk(DOCS[0])
+    stored = engine.store.get(a)
+    assert engine.cache_chunk(DOCS[0]) == a
+    assert engine.store.get(a) is stored  # not encoded again
+    assert engine.cache_chunk(DOCS[1]) != a
+    assert stored.ranking.sort().values.equal(torch.arange(stored.num_tokens))
+
+
+def test_full_ratio_reproduces_prefill_logits_on_real_prompt(engine):
+    ids = [engine.cache_chunk(d) for d in DOCS]
+    layout = engine.layout(ids, QUESTION)
+    full = engine.prefill(layout, "full_recompute")
+    sel = engine.prefill(layout, "cachetune", ratio=1.0)
+    assert _rel_err(full.logits, sel.logits) < 1e-4
+    n = layout.total
+    assert torch.allclose(full.cache.keys[:, :n], sel.cache.keys[:, :n], atol=1e-3, rtol=1e-3)
+    assert sel.recomputed_chunk_tokens == sum(engine.chunk(i).num_tokens for i in ids)
+
+
+def test_single_chunk_at_position_zero_with_no_recompute_equals_full_prefill(engine):
+    cid = engine.cache_chunk(DOCS[1])
+    chunk = engine.chunk(cid)
+    suffix = engine.tokenize("Question: " + QUESTION + "\nAnswer:")
+    layout = PromptLayout([Segment(chunk.token_ids, chunk), Segment(suffix)])
+    full = engine.prefill(layout, "full_recompute")
+    reused = engine.prefill(layout, "full_reuse")
+    assert reused.recomputed_chunk_tokens == 0
+    assert _rel_err(full.logits, reused.logits) < 1e-4
+
+
+def test_generate_reports_answer_ttft_and_recomputed_share(engine):
+    ids = [engine.cache_chunk(d) for d in DOCS]
+    out = engine.generate(ids, QUESTION, method="cachetune", ratio=0.15, sampling=SamplingConfig(max_new_tokens=12))
+    assert out.text.strip()
+    assert out.ttft_ms > 0
+    expected = sum(int(0.15 * engine.chunk(i).num_tokens + 0.5) for i in ids)
+    assert out.recomputed_tokens == expected
+    reuse = engine.generate(ids, QUESTION, method="full_reuse", sampling=SamplingConfig(max_new_tokens=4))
+    assert reuse.recomputed_tokens == 0
+
+
+def test_full_recompute_greedy_answer_matches_hf_generate(engine):
+    ids = [engine.cache_chunk(d) for d in DOCS]
+    out = engine.generate(ids, QUESTION, method="full_recompute", sampling=SamplingConfig(max_new_tokens=10))
+    prompt = engine.layout(ids, QUESTION).input_ids
+    hf = engine.model.generate(prompt[None], max_new_tokens=10, do_sample=False)[0, prompt.numel():].tolist()
+    stop = engine.stop_ids()
+    hf = hf[: next((i for i, t in enumerate(hf) if t in stop), len(hf))]
+    assert out.token_ids == hf
+
+
+def test_bad_requests_get_clear_errors(engine):
+    ids = [engine.cache_chunk(DOCS[0])]
+    with pytest.raises(ValueError, match="unknown method"):
+        engine.generate(ids, QUESTION, method="nope")
+    with pytest.raises(ValueError, match="ratio"):
+        engine.generate(ids, QUESTION, ratio=1.5)
+    with pytest.raises(KeyError, match="cache_chunk"):
+        engine.generate(["0" * 32], QUESTION)
+
+
+def test_disk_store_detects_corruption_and_reencodes(loaded, tmp_path):
+    engine = Engine(loaded, EngineConfig(store="disk", store_dir=str(tmp_path), self_check=False))
+    ids = [engine.cache_chunk(d) for d in DOCS]
+    before = engine.generate(ids, QUESTION, sampling=SamplingConfig(max_new_tokens=8))
+    path = engine.store.path(ids[1])
+    blob = bytearray(path.read_bytes())
+    blob[-100] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    fresh = Engine(loaded, EngineConfig(store="disk", store_dir=str(tmp_path), self_check=False))
+    assert ids[1] not in fresh.store  # detected and dropped, never used
+    fresh._tokens.update(engine._tokens)  # the same process knows the texts: it re-encodes
+    again = fresh.generate(ids, QUESTION, sampling=SamplingConfig(max_new_tokens=8))
+    assert again.token_ids == before.token_ids
+    assert path.exists()
+
+
+def test_engine_refuses_reuse_when_self_check_fails(loaded, monkeypatch):
+    # A wrong RoPE (identity) must be caught at start-up, not produce silent garbage.
+    monkeypatch.setattr(ModelAdapter, "rotate", lambda self, x, cos, sin: x)
+    engine = Engine(loaded, EngineConfig())
+    assert engine.reuse_error and "full_recompute" in engine.reuse_error
+    ids = [engine.cache_chunk(DOCS[0])]
+    with pytest.raises(ReuseRefusedError):
+        engine.generate(ids, QUESTION, method="cachetune")
+    assert engine.generate(ids, QUESTION, method="full_recompute", sampling=SamplingConfig(max_new_tokens=2)).text

@@ -1,0 +1,409 @@
+"""Chunk stores: the in-memory LRU tier and the verified, atomically written disk tier."""
+
+import json
+import shutil
+import struct
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import cachetune.store.disk as disk_module
+from cachetune.chunks.encode import ENCODING_VERSION, EncodedChunk, chunk_id
+from cachetune.store.base import CorruptChunkError
+from cachetune.store.disk import FORMAT, DiskStore
+from cachetune.store.memory import MemoryStore
+
+L, HKV, D = 3, 2, 8
+FP = "0123456789abcdef" + "1" * 48
+FP_OTHER = "fedcba9876543210" + "2" * 48
+
+
+def make_chunk(n=40, seed=0, fingerprint=FP, dtype=torch.float32) -> EncodedChunk:
+    gen = torch.Generator().manual_seed(seed)
+    token_ids = torch.randint(0, 50_000, (n,), generator=gen)
+    keys = torch.randn(L, n, HKV, D, generator=gen).to(dtype)
+    values = torch.randn(L, n, HKV, D, generator=gen).to(dtype)
+    ranking = torch.randperm(n, generator=gen)
+    return EncodedChunk(chunk_id(fingerprint, token_ids), token_ids, keys, values, ranking)
+
+
+def chunk_nbytes(chunk: EncodedChunk) -> int:
+    return chunk.keys.nbytes + chunk.values.nbytes
+
+
+def read_header(path):
+    blob = path.read_bytes()
+    (header_len,) = struct.unpack("<Q", blob[:8])
+    return header_len, json.loads(blob[8 : 8 + header_len])
+
+
+# ======================================================================================= MemoryStore
+
+
+def test_memory_store_put_get_remove() -> None:
+    store = MemoryStore()
+    chunk = make_chunk()
+    assert store.get(chunk.chunk_id) is None
+    assert chunk.chunk_id not in store
+    store.put(chunk)
+    stored = store.get(chunk.chunk_id)
+    assert stored is not None and chunk.chunk_id in store and len(store) == 1
+    assert stored.chunk_id == chunk.chunk_id
+    assert torch.equal(stored.token_ids, chunk.token_ids)
+    assert torch.equal(stored.ranking, chunk.ranking)
+    assert stored.num_tokens == chunk.num_tokens
+    idx = torch.tensor([7, 0, 39, 12])
+    for layer in range(L):
+        k, v = stored.load_layer(layer, idx)
+        assert torch.equal(k, chunk.keys[layer][idx])
+        assert torch.equal(v, chunk.values[layer][idx])
+    store.remove(chunk.chunk_id)
+    assert store.get(chunk.chunk_id) is None
+    assert chunk.chunk_id not in store and len(store) == 0
+    store.remove(chunk.chunk_id)  # removing an absent id is a no-op
+
+
+def test_memory_store_load_layer_with_empty_indices_returns_empty_rows() -> None:
+    store = MemoryStore()
+    chunk = make_chunk()
+    store.put(chunk)
+    k, v = store.get(chunk.chunk_id).load_layer(1, torch.empty(0, dtype=torch.int64))
+    assert k.shape == (0, HKV, D) and v.shape == (0, HKV, D)
+
+
+def test_memory_store_evicts_least_recently_used_past_max_bytes() -> None:
+    a, b, c = make_chunk(seed=1), make_chunk(seed=2), make_chunk(seed=3)
+    store = MemoryStore(max_bytes=2 * chunk_nbytes(a))  # room for exactly two chunks
+    store.put(a)
+    store.put(b)
+    assert store.get(a.chunk_id) is not None  # a is now the most recently used
+    store.put(c)  # over budget: b, the least recently used, goes
+    assert store.get(b.chunk_id) is None
+    assert store.get(a.chunk_id) is not None
+    assert store.get(c.chunk_id) is not None
+    assert len(store) == 2
+
+
+def test_memory_store_evicts_in_insertion_order_without_gets() -> None:
+    chunks = [make_chunk(seed=s) for s in range(5)]
+    store = MemoryStore(max_bytes=3 * chunk_nbytes(chunks[0]))
+    for ch in chunks:
+        store.put(ch)
+    kept = [store.get(ch.chunk_id) is not None for ch in chunks]
+    assert kept == [False, False, True, True, True]
+
+
+def test_memory_store_put_of_present_id_is_a_no_op_that_refreshes_recency() -> None:
+    a, b, c = make_chunk(seed=1), make_chunk(seed=2), make_chunk(seed=3)
+    store = MemoryStore(max_bytes=2 * chunk_nbytes(a))
+    store.put(a)
+    store.put(b)
+    store.put(a)  # not counted twice, and a becomes most recent
+    assert len(store) == 2
+    store.put(c)
+    assert store.get(b.chunk_id) is None
+    assert store.get(a.chunk_id) is not None and store.get(c.chunk_id) is not None
+
+
+def test_memory_store_keeps_a_single_chunk_larger_than_the_budget() -> None:
+    a, b = make_chunk(seed=1), make_chunk(seed=2, n=200)
+    store = MemoryStore(max_bytes=chunk_nbytes(a))
+    store.put(a)
+    store.put(b)  # alone over budget: the older one is evicted, the new one stays
+    assert store.get(a.chunk_id) is None
+    assert store.get(b.chunk_id) is not None
+
+
+def test_memory_store_remove_frees_budget() -> None:
+    a, b, c = make_chunk(seed=1), make_chunk(seed=2), make_chunk(seed=3)
+    store = MemoryStore(max_bytes=2 * chunk_nbytes(a))
+    store.put(a)
+    store.put(b)
+    store.remove(a.chunk_id)
+    store.put(c)
+    assert store.get(b.chunk_id) is not None and store.get(c.chunk_id) is not None
+
+
+# ========================================================================================= DiskStore
+
+
+def index_sets(chunk: EncodedChunk, seed=0):
+    n = chunk.num_tokens
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "random_subset_unsorted": torch.randperm(n, generator=gen)[: n // 3],
+        "random_subset_sorted": torch.sort(torch.randperm(n, generator=gen)[: n // 2]).values,
+        "ranking_tail": chunk.ranking[6:],  # the reuse complement of a ranked selection
+        "ranking_tail_sorted": torch.sort(chunk.ranking[6:]).values,
+        "ranking_head": chunk.ranking[:6],
+        "all_in_token_order": torch.arange(n),
+        "single": torch.tensor([n - 1]),
+        "repeated": torch.tensor([3, 3, 0, 3]),
+        "empty": torch.empty(0, dtype=torch.int64),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_disk_round_trip_load_layer_returns_exactly_the_in_memory_rows(tmp_path, dtype) -> None:
+    chunk = make_chunk(dtype=dtype)
+    DiskStore(tmp_path, FP).put(chunk)
+    stored = DiskStore(tmp_path, FP).get(chunk.chunk_id)  # fresh instance: read back from the file
+    assert stored is not None
+    assert stored.chunk_id == chunk.chunk_id
+    assert torch.equal(stored.token_ids, chunk.token_ids)
+    assert torch.equal(stored.ranking, chunk.ranking)
+    assert stored.num_tokens == chunk.num_tokens
+    for name, idx in index_sets(chunk).items():
+        for layer in range(L):
+            k, v = stored.load_layer(layer, idx)
+            assert k.dtype == dtype and v.dtype == dtype, name
+            assert k.shape == (idx.numel(), HKV, D), name
+            assert torch.equal(k, chunk.keys[layer][idx]), (name, layer)
+            assert torch.equal(v, chunk.values[layer][idx]), (name, layer)
+
+
+def test_disk_round_trip_through_the_writing_instance(tmp_path) -> None:
+    chunk = make_chunk(seed=5)
+    store = DiskStore(tmp_path, FP)
+    store.put(chunk)
+    stored = store.get(chunk.chunk_id)
+    idx = chunk.ranking[10:]
+    k, v = stored.load_layer(2, idx)
+    assert torch.equal(k, chunk.keys[2][idx]) and torch.equal(v, chunk.values[2][idx])
+
+
+def test_disk_store_get_unknown_is_none_and_remove_deletes(tmp_path) -> None:
+    store = DiskStore(tmp_path, FP)
+    chunk = make_chunk()
+    assert store.get(chunk.chunk_id) is None
+    assert chunk.chunk_id not in store
+    store.put(chunk)
+    assert chunk.chunk_id in store
+    store.remove(chunk.chunk_id)
+    assert not store.path(chunk.chunk_id).exists()
+    assert store.get(chunk.chunk_id) is None
+    assert chunk.chunk_id not in store
+    store.remove(chunk.chunk_id)  # absent: no-op
+
+
+def test_disk_put_writes_atomically_and_leaves_no_temp_file(tmp_path) -> None:
+    store = DiskStore(tmp_path, FP)
+    chunk = make_chunk()
+    store.put(chunk)
+    path = store.path(chunk.chunk_id)
+    assert path.exists()
+    assert list(store.root.glob("*.tmp")) == []
+    assert [p.name for p in store.root.iterdir()] == [path.name]
+    # The file is complete: every tensor parses with its full shape.
+    with safe_open(str(path), framework="pt") as f:
+        assert set(f.keys()) == {"token_ids", "ranking", "keys", "values"}
+        assert f.get_tensor("keys").shape == (L, chunk.num_tokens, HKV, D)
+        assert f.get_tensor("values").shape == (L, chunk.num_tokens, HKV, D)
+        assert f.get_tensor("token_ids").shape == (chunk.num_tokens,)
+
+
+def test_disk_put_that_fails_before_rename_leaves_neither_temp_nor_target(tmp_path, monkeypatch) -> None:
+    store = DiskStore(tmp_path, FP)
+    chunk = make_chunk()
+
+    def failing_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(disk_module.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="disk full"):
+        store.put(chunk)
+    assert list(store.root.iterdir()) == []
+
+
+def test_disk_put_of_present_id_is_a_no_op(tmp_path) -> None:
+    store = DiskStore(tmp_path, FP)
+    chunk = make_chunk()
+    store.put(chunk)
+    before = store.path(chunk.chunk_id).read_bytes()
+    same_id_other_data = EncodedChunk(
+        chunk.chunk_id, chunk.token_ids, chunk.keys + 1.0, chunk.values + 1.0, chunk.ranking
+    )
+    store.put(same_id_other_data)
+    assert store.path(chunk.chunk_id).read_bytes() == before
+
+
+def test_disk_file_is_safetensors_not_pickle(tmp_path) -> None:
+    store = DiskStore(tmp_path, FP)
+    chunk = make_chunk()
+    store.put(chunk)
+    path = store.path(chunk.chunk_id)
+    blob = path.read_bytes()
+    assert not blob.startswith(b"\x80") and not blob.startswith(b"PK")  # neither pickle nor torch zip
+    header_len, header = read_header(path)  # 8-byte little-endian length, then JSON
+    assert 8 + header_len < len(blob)
+    meta = header["__metadata__"]
+    assert meta["format"] == FORMAT
+    assert meta["chunk_id"] == chunk.chunk_id
+    assert meta["fingerprint"] == FP
+    assert meta["encoding"] == ENCODING_VERSION
+    assert len(meta["sha256"]) == 64
+    assert header["keys"]["dtype"] == "F32" and header["keys"]["shape"] == [L, chunk.num_tokens, HKV, D]
+    assert header["token_ids"]["dtype"] == "I64"
+    data_end = max(entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__")
+    assert 8 + header_len + data_end == len(blob)
+
+
+def test_disk_rows_are_stored_in_ranking_order(tmp_path) -> None:
+    # Layout contract: the reuse complement (a ranking tail) is one contiguous range of rows.
+    store = DiskStore(tmp_path, FP)
+    chunk = make_chunk()
+    store.put(chunk)
+    with safe_open(str(store.path(chunk.chunk_id)), framework="pt") as f:
+        assert torch.equal(f.get_tensor("keys"), chunk.keys[:, chunk.ranking])
+        assert torch.equal(f.get_tensor("values"), chunk.values[:, chunk.ranking])
+
+
+def test_second_disk_store_instance_reads_what_the_first_wrote(tmp_path) -> None:
+    first, second = DiskStore(tmp_path, FP), DiskStore(tmp_path, FP)
+    chunks = [make_chunk(seed=s) for s in range(3)]
+    for ch in chunks:
+        first.put(ch)
+    for ch in chunks:
+        assert ch.chunk_id in second
+        k, v = second.get(ch.chunk_id).load_layer(0, ch.ranking[5:])
+        assert torch.equal(k, ch.keys[0][ch.ranking[5:]])
+        assert torch.equal(v, ch.values[0][ch.ranking[5:]])
+
+
+def test_disk_stores_of_different_models_share_a_root_without_clashing(tmp_path) -> None:
+    a, b = DiskStore(tmp_path, FP), DiskStore(tmp_path, FP_OTHER)
+    assert a.root != b.root
+    ca, cb = make_chunk(seed=1, fingerprint=FP), make_chunk(seed=1, fingerprint=FP_OTHER)  # same tokens
+    assert ca.chunk_id != cb.chunk_id
+    a.put(ca)
+    b.put(cb)
+    assert ca.chunk_id in a and cb.chunk_id in b
+    assert ca.chunk_id not in b and cb.chunk_id not in a
+
+
+# --- corruption --------------------------------------------------------------------------------------
+
+
+def write_and_locate(tmp_path, chunk=None):
+    chunk = chunk or make_chunk()
+    DiskStore(tmp_path, FP).put(chunk)
+    return chunk, DiskStore(tmp_path, FP).path(chunk.chunk_id)
+
+
+def assert_corrupt_and_dropped(store, cid, path) -> None:
+    with pytest.raises(CorruptChunkError):
+        store.get(cid)
+    assert not path.exists(), "a corrupt file must be deleted"
+    assert store.get(cid) is None  # afterwards it is simply missing
+    assert cid not in store
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_disk_flipped_byte_in_data_section_raises_corrupt_and_deletes_file(tmp_path, where) -> None:
+    chunk, path = write_and_locate(tmp_path)
+    blob = bytearray(path.read_bytes())
+    header_len, _ = read_header(path)
+    start = 8 + header_len
+    offset = {"first": start, "middle": (start + len(blob)) // 2, "last": len(blob) - 1}[where]
+    blob[offset] ^= 0x01
+    path.write_bytes(bytes(blob))
+    assert_corrupt_and_dropped(DiskStore(tmp_path, FP), chunk.chunk_id, path)
+
+
+@pytest.mark.parametrize("keep", ["nothing", "4_bytes", "length_only", "half_header", "header_only", "minus_one"])
+def test_disk_truncated_file_raises_corrupt(tmp_path, keep) -> None:
+    chunk, path = write_and_locate(tmp_path)
+    blob = path.read_bytes()
+    header_len, _ = read_header(path)
+    size = {
+        "nothing": 0,
+        "4_bytes": 4,
+        "length_only": 8,
+        "half_header": 8 + header_len // 2,
+        "header_only": 8 + header_len,
+        "minus_one": len(blob) - 1,
+    }[keep]
+    path.write_bytes(blob[:size])
+    assert_corrupt_and_dropped(DiskStore(tmp_path, FP), chunk.chunk_id, path)
+
+
+def test_disk_garbage_file_raises_corrupt(tmp_path) -> None:
+    chunk, path = write_and_locate(tmp_path)
+    path.write_bytes(b"\xff" * 8 + b"not a safetensors file")
+    assert_corrupt_and_dropped(DiskStore(tmp_path, FP), chunk.chunk_id, path)
+
+
+def test_disk_file_of_another_model_raises_corrupt(tmp_path) -> None:
+    chunk, path = write_and_locate(tmp_path)
+    other = DiskStore(tmp_path, FP_OTHER)
+    planted = other.path(chunk.chunk_id)
+    shutil.copyfile(path, planted)
+    assert_corrupt_and_dropped(other, chunk.chunk_id, planted)
+    # The original under its own model is untouched and still valid.
+    assert path.exists()
+    assert chunk.chunk_id in DiskStore(tmp_path, FP)
+
+
+def test_disk_file_whose_token_ids_do_not_match_its_id_raises_corrupt(tmp_path) -> None:
+    good = make_chunk(seed=1)
+    wrong_tokens = good.token_ids.clone()
+    wrong_tokens[0] += 1
+    mislabelled = EncodedChunk(good.chunk_id, wrong_tokens, good.keys, good.values, good.ranking)
+    store = DiskStore(tmp_path, FP)
+    store.put(mislabelled)  # checksum and fingerprint are valid; only the content address is wrong
+    assert_corrupt_and_dropped(DiskStore(tmp_path, FP), good.chunk_id, store.path(good.chunk_id))
+
+
+def test_disk_file_renamed_to_another_id_raises_corrupt(tmp_path) -> None:
+    chunk, path = write_and_locate(tmp_path)
+    store = DiskStore(tmp_path, FP)
+    other_id = chunk_id(FP, torch.tensor([1, 2, 3]))
+    shutil.copyfile(path, store.path(other_id))
+    assert_corrupt_and_dropped(store, other_id, store.path(other_id))
+    assert chunk.chunk_id in store
+
+
+def test_disk_contains_is_false_for_missing_and_corrupt_and_true_for_valid(tmp_path) -> None:
+    good, bad = make_chunk(seed=1), make_chunk(seed=2)
+    store = DiskStore(tmp_path, FP)
+    store.put(good)
+    store.put(bad)
+    path = store.path(bad.chunk_id)
+    path.write_bytes(path.read_bytes()[:-10])
+    fresh = DiskStore(tmp_path, FP)
+    assert good.chunk_id in fresh
+    assert bad.chunk_id not in fresh  # does not raise
+    assert not path.exists()
+    assert chunk_id(FP, torch.tensor([42])) not in fresh
+
+
+def test_disk_store_recovers_after_corruption_by_re_put(tmp_path) -> None:
+    chunk, path = write_and_locate(tmp_path)
+    path.write_bytes(path.read_bytes()[:100])
+    store = DiskStore(tmp_path, FP)
+    with pytest.raises(CorruptChunkError):
+        store.get(chunk.chunk_id)
+    store.put(chunk)  # the caller re-encodes and stores again
+    k, _ = store.get(chunk.chunk_id).load_layer(0, torch.arange(chunk.num_tokens))
+    assert torch.equal(k, chunk.keys[0])
+
+
+def test_disk_flipped_dtype_byte_in_header_raises_corrupt(tmp_path) -> None:
+    chunk, path = write_and_locate(tmp_path)
+    blob = bytearray(path.read_bytes())
+    header_len, _ = read_header(path)
+    header = blob[8 : 8 + header_len].decode()
+    marker = '"keys":{"dtype":"F32"'
+    pos = 8 + header.index(marker) + len(marker) - 4  # the 'F' of F32"
+    assert blob[pos : pos + 3] == b"F32"
+    blob[pos] = ord("I")  # still valid JSON and a valid safetensors file (I32 has the same size)
+    path.write_bytes(bytes(blob))
+    store = DiskStore(tmp_path, FP)
+    try:
+        stored = store.get(chunk.chunk_id)
+    except CorruptChunkError:
+        assert not path.exists()
+        return
+    k, _ = stored.load_layer(0, torch.arange(chunk.num_tokens))
+    assert k.dtype == chunk.keys.dtype and torch.equal(k, chunk.keys[0]), "unverified data was returned"
