@@ -10,11 +10,15 @@ are merged exactly through their log-sum-exp, so the result equals dense causal 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 # Queries per block. Smaller blocks shrink the masked span, larger ones amortise kernel calls.
 QUERY_BLOCK = 128
+# Consecutive runs at least this long are attended as causal blocks of their own.
+MIN_RUN = 32
 
 
 def _fold_gqa(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -82,7 +86,7 @@ def _blocks(pos: list[int]) -> list[tuple[int, int, bool]]:
     blocks: list[tuple[int, int, bool]] = []
     group_start = None
     for a, b in _runs(pos):
-        if b - a >= QUERY_BLOCK // 4:
+        if b - a >= MIN_RUN:
             if group_start is not None:
                 blocks.append((group_start, a, False))
                 group_start = None
@@ -98,6 +102,32 @@ def _blocks(pos: list[int]) -> list[tuple[int, int, bool]]:
     return blocks
 
 
+@dataclass(frozen=True)
+class QueryBlock:
+    start: int                  # query index range [start, stop)
+    stop: int
+    first: int                  # positions of its first and last query
+    last: int
+    mask: torch.Tensor | None   # additive [1, 1, G*B, last-first+1] for scattered blocks; None if contiguous
+
+
+def plan_blocks(q_pos: torch.Tensor, groups: int, dtype: torch.dtype) -> list[QueryBlock]:
+    """Blocks and in-block masks for `q_pos`; they depend only on positions, so layers share them."""
+    pos = q_pos.tolist()
+    plan = []
+    for start, stop, contiguous in _blocks(pos):
+        first, last = pos[start], pos[stop - 1]
+        mask = None
+        if not contiguous:
+            key_pos = torch.arange(first, last + 1, device=q_pos.device)
+            visible = key_pos.unsqueeze(0) <= q_pos[start:stop].unsqueeze(1)  # [B, span]
+            # The CPU kernel takes an additive mask in the query dtype.
+            mask = torch.zeros(visible.shape, dtype=dtype, device=q_pos.device).masked_fill_(~visible, float("-inf"))
+            mask = mask.repeat(groups, 1).view(1, 1, groups * (stop - start), -1)
+        plan.append(QueryBlock(start, stop, first, last, mask))
+    return plan
+
+
 def sparse_causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -105,42 +135,36 @@ def sparse_causal_attention(
     q_pos: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    plan: list[QueryBlock] | None = None,
 ) -> torch.Tensor:
     """Causal attention of queries at positions `q_pos` over keys at positions 0..N-1.
 
     q: [T, Hq, D] (RoPE applied), k/v: [N, Hkv, D] where row i holds the key/value at global position i.
     q_pos: [T] strictly increasing int positions, each < N. A query at p sees keys j <= p, and with a
-    sliding window only j > p - sliding_window (HF's convention). Returns [T, Hq, D].
+    sliding window only j > p - sliding_window (HF's convention). `plan` (from plan_blocks for the same
+    q_pos, groups and dtype) saves rebuilding the blocks at every layer. Returns [T, Hq, D].
     """
     if q.device.type != "cpu" or (sliding_window is not None and sliding_window < k.shape[0]):
         return _dense_masked(q, k, v, q_pos, scale, sliding_window)
     kv_heads = k.shape[1]
     g = q.shape[1] // kv_heads
     kh, vh = _heads_first(k), _heads_first(v)
-    pos = q_pos.tolist()
     out = torch.empty_like(q)
-    for start, stop, contiguous in _blocks(pos):
-        first, last = pos[start], pos[stop - 1]
+    for blk in plan if plan is not None else plan_blocks(q_pos, g, q.dtype):
+        start, stop, first, last = blk.start, blk.stop, blk.first, blk.last
         qb = q[start:stop]
-        if contiguous:
+        qf = _fold_gqa(qb, kv_heads)
+        span_k, span_v = kh[:, :, first : last + 1], vh[:, :, first : last + 1]
+        if blk.mask is None:
             # Queries first..last see keys first..their own position: plain causal over the span.
             o_in, lse_in = _attend_with_lse(
-                _heads_first(qb),
-                kh[:, :, first : last + 1].repeat_interleave(g, dim=1),
-                vh[:, :, first : last + 1].repeat_interleave(g, dim=1),
+                _heads_first(qb), span_k.repeat_interleave(g, dim=1), span_v.repeat_interleave(g, dim=1),
                 None, scale, causal=True,
             )
             o_in = o_in.view(1, kv_heads, g, stop - start, -1).reshape(1, kv_heads, g * (stop - start), -1)
             lse_in = lse_in.reshape(1, kv_heads, g * (stop - start))
-            qf = _fold_gqa(qb, kv_heads)
         else:
-            qf = _fold_gqa(qb, kv_heads)
-            key_pos = torch.arange(first, last + 1, device=q.device)
-            visible = key_pos.unsqueeze(0) <= q_pos[start:stop].unsqueeze(1)  # [B, span]
-            # The CPU kernel takes an additive mask in the query dtype.
-            mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
-            mask = mask.repeat(g, 1).view(1, 1, g * (stop - start), -1)
-            o_in, lse_in = _attend_with_lse(qf, kh[:, :, first : last + 1], vh[:, :, first : last + 1], mask, scale)
+            o_in, lse_in = _attend_with_lse(qf, span_k, span_v, blk.mask, scale)
         if first > 0:
             # Everything before the block is visible to every query in it: no mask.
             o_pre, lse_pre = _attend_with_lse(qf, kh[:, :, :first], vh[:, :, :first], None, scale)

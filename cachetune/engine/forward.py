@@ -17,7 +17,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from cachetune.engine.attention import sparse_causal_attention
+from cachetune.engine.attention import plan_blocks, sparse_causal_attention
 from cachetune.engine.kv_cache import KVCache
 from cachetune.model.adapter import ModelAdapter
 
@@ -56,26 +56,34 @@ def forward_active(
     """
     end = int(active_pos[-1]) + 1
     cache.ensure_capacity(end)
+    last = adapter.num_layers - 1
+    # Everything that depends only on positions is computed once, not per layer.
+    rp = reused.positions if reused is not None and reused.positions.numel() else None
+    active_rope = {kind: (cos[active_pos], sin[active_pos]) for kind, (cos, sin) in rope.items()}
+    reused_rope = {kind: (cos[rp], sin[rp]) for kind, (cos, sin) in rope.items()} if rp is not None else {}
+    groups = adapter.num_heads // adapter.num_kv_heads
+    plan = plan_blocks(active_pos, groups, adapter.dtype)
+    last_pos = active_pos[-1:] if last_only else active_pos
+    last_plan = plan_blocks(last_pos, groups, adapter.dtype) if last_only else plan
     for layer in range(adapter.num_layers):
         info = adapter.layer_info[layer]
-        cos, sin = rope[info.rope_kind]
-        if reused is not None and reused.positions.numel():
+        if rp is not None:
             rk, rv = reused.layer(layer)
-            rp = reused.positions
-            cache.keys[layer].index_copy_(0, rp, adapter.rotate(rk, cos[rp], sin[rp]))
+            cache.keys[layer].index_copy_(0, rp, adapter.rotate(rk, *reused_rope[info.rope_kind]))
             cache.values[layer].index_copy_(0, rp, rv)
         q, k, v = adapter.project_qkv(layer, hidden)
         if capture is not None:
             capture(layer, k, v)
-        qcos, qsin = cos[active_pos], sin[active_pos]
+        qcos, qsin = active_rope[info.rope_kind]
         q = adapter.rotate(q, qcos, qsin)
         cache.keys[layer].index_copy_(0, active_pos, adapter.rotate(k, qcos, qsin))
         cache.values[layer].index_copy_(0, active_pos, v)
-        q_pos = active_pos
-        if last_only and layer == adapter.num_layers - 1:
-            q, q_pos, hidden = q[-1:], active_pos[-1:], hidden[-1:]
+        q_pos, layer_plan = active_pos, plan
+        if layer == last and last_only:
+            q, hidden, q_pos, layer_plan = q[-1:], hidden[-1:], last_pos, last_plan
         attn = sparse_causal_attention(
-            q, cache.keys[layer, :end], cache.values[layer, :end], q_pos, info.scale, info.sliding_window
+            q, cache.keys[layer, :end], cache.values[layer, :end], q_pos, info.scale, info.sliding_window,
+            plan=layer_plan,
         )
         hidden = adapter.finish_layer(layer, hidden, attn)
     cache.length = max(cache.length, end)
