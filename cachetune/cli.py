@@ -18,13 +18,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--store", choices=["memory", "disk"])
     p.add_argument("--store-dir")
+    p.add_argument("--no-prefetch", dest="prefetch", action="store_false", default=None,
+                   help="load each layer's reused KV only when it is needed (no overlap)")
 
 
 def _engine(args):
     from cachetune.engine.engine import Engine
 
     overrides = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
-                 "store": args.store, "store_dir": args.store_dir}
+                 "store": args.store, "store_dir": args.store_dir, "prefetch": args.prefetch}
     if args.config:
         config = EngineConfig.from_file(args.config, **overrides)
     else:

@@ -24,7 +24,7 @@ from cachetune.engine.prefill import PrefillResult, full_prefill, selective_pref
 from cachetune.engine.prompt import DEFAULT_SYSTEM, PromptTemplate
 from cachetune.engine.selfcheck import ReuseRefusedError, run_self_check
 from cachetune.model.adapter import ModelAdapter
-from cachetune.model.loader import LoadedModel, load_model, model_fingerprint
+from cachetune.model.loader import LoadedModel, default_cache_dir, load_model, model_fingerprint
 from cachetune.selectors import SELECTORS, get_selector
 from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
 from cachetune.store.disk import DiskStore
@@ -59,7 +59,7 @@ class Engine:
         self.adapter = ModelAdapter(self.model)
         self.fingerprint = model_fingerprint(self.model)
         self.template = PromptTemplate(self.tokenizer)
-        self.store = store or self._default_store(loaded)
+        self.store = store or self._default_store()
         self._tokens: dict[str, torch.Tensor] = {}  # ids cached by this engine, to re-encode after corruption
         self.reuse_error: str | None = None
         self.self_check_error: float | None = None
@@ -76,10 +76,10 @@ class Engine:
         config = replace(config or EngineConfig(), **({"model": spec} if spec else {}), **overrides)
         return cls(load_model(config.model, dtype=config.torch_dtype), config)
 
-    def _default_store(self, loaded: LoadedModel) -> ChunkStore:
+    def _default_store(self) -> ChunkStore:
         if self.config.store == "memory":
             return MemoryStore()
-        root = Path(self.config.store_dir) if self.config.store_dir else loaded.source.parent.parent / "chunks"
+        root = Path(self.config.store_dir) if self.config.store_dir else default_cache_dir() / "chunks"
         return DiskStore(root, self.fingerprint)
 
     # ---- chunks -------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from cachetune.engine.decode import SamplingConfig, extend, generate_tokens
-from cachetune.engine.engine import FULL_RECOMPUTE, Engine
+from cachetune.engine.engine import FULL_RECOMPUTE, METHODS, Engine
 from cachetune.eval.datasets import QAExample
 from cachetune.eval.metrics import f1_score, kl_to_reference, summarize, top1_agreement
 
@@ -36,6 +36,11 @@ class BenchConfig:
     system: str | None = None
 
     def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], got {self.ratio}")
         if FULL_RECOMPUTE not in self.methods:
             # Every fidelity metric and every speedup is relative to full recompute.
             self.methods = [FULL_RECOMPUTE, *self.methods]
