@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers import DynamicCache
 
@@ -14,13 +12,25 @@ from cachetune.engine.loading import LayerLoader
 from cachetune.model.adapter import ModelAdapter
 
 
-@dataclass
 class PrefillResult:
-    cache: KVCache          # rows [0, prompt_tokens) filled, room left for decoding
-    logits: torch.Tensor    # [vocab] float32, next-token logits after the last prompt token
-    prompt_tokens: int
-    computed_tokens: int    # tokens whose hidden states went through the layers
-    recomputed_chunk_tokens: int  # of those, tokens that belong to cached chunks
+    """A filled KV cache (rows [0, prompt_tokens), room left for decoding) and the next-token logits."""
+
+    def __init__(self, cache, logits: torch.Tensor, prompt_tokens: int, computed_tokens: int,
+                 recomputed_chunk_tokens: int, capacity: int = 0):
+        self._cache = cache                # a KVCache, or a transformers cache converted on first use
+        self._capacity = capacity
+        self.logits = logits               # [vocab] float32, after the last prompt token
+        self.prompt_tokens = prompt_tokens
+        self.computed_tokens = computed_tokens              # tokens that went through the layers
+        self.recomputed_chunk_tokens = recomputed_chunk_tokens  # of those, tokens of cached chunks
+
+    @property
+    def cache(self) -> KVCache:
+        # Full recompute's cache is copied into our layout only when decoding needs it, so the copy
+        # is not charged to the baseline's time to first token.
+        if not isinstance(self._cache, KVCache):
+            self._cache = KVCache.from_hf(self._cache, self._capacity)
+        return self._cache
 
 
 @torch.no_grad()
@@ -30,10 +40,9 @@ def full_prefill(adapter: ModelAdapter, layout: PromptLayout, capacity: int) -> 
     # An explicit config-less DynamicCache keeps every row of every layer; the default cache would
     # drop rows outside a sliding window, which decoding from our cache still needs for other layers.
     out = adapter.model(input_ids=ids[None], cache=DynamicCache(), use_cache=True, logits_to_keep=1)
-    logits = out.logits[0, -1].float()
-    cache = KVCache.from_hf(out.cache, capacity)
     n = layout.total
-    return PrefillResult(cache, logits, n, n, sum(s.token_ids.numel() for _, s in layout.chunk_segments))
+    chunk_tokens = sum(s.token_ids.numel() for _, s in layout.chunk_segments)
+    return PrefillResult(out.cache, out.logits[0, -1].float(), n, n, chunk_tokens, capacity)
 
 
 @torch.no_grad()
