@@ -36,11 +36,11 @@ qwen: install
 
 bench: install
 	$(VENV)/bin/cachetune bench --data ../shared/data/musique/musique_s.json --limit 8 --threads 2 \
-		--json results/bench_smollm2.json
+		--repeats 1 --json results/bench_smollm2_fp32.json
 
 bench-qwen: qwen
 	$(VENV)/bin/cachetune bench --model qwen2.5-coder-1.5b --dtype bfloat16 \
-		--data ../shared/data/musique/musique_s.json --limit 8 --threads 2 --json results/bench_qwen.json
+		--data ../shared/data/musique/musique_s.json --limit 8 --threads 2 --json results/bench_qwen_bf16.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -41,24 +41,13 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 
 
 def _attend_with_lse(q, k, v, mask, scale, causal=False):
-    """Attention of q [1,H,L,D] over k/v [1,H,S,D]; returns output and log-sum-exp [1,H,L].
+    """CPU flash attention of q [1,H,L,D] over k/v [1,H,S,D]: output and log-sum-exp [1,H,L].
 
-    causal=True (only with L == S) lets query i see keys 0..i.
+    causal=True (only with L == S) lets query i see keys 0..i; `mask` is additive, in q's dtype.
     """
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, is_causal=causal, attn_mask=mask, scale=scale
-        )
-        return out, lse
-    if causal:
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-    # Elsewhere compute it explicitly; used only for the short in-block span and on non-CPU devices.
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
-    return out, lse
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, is_causal=causal, attn_mask=mask, scale=scale
+    )
 
 
 def _merge(o1, lse1, o2, lse2):
@@ -145,6 +134,7 @@ def sparse_causal_attention(
     q_pos, groups and dtype) saves rebuilding the blocks at every layer. Returns [T, Hq, D].
     """
     if q.device.type != "cpu" or (sliding_window is not None and sliding_window < k.shape[0]):
+        # GPU kernels handle an explicit mask well; windowed layers are rare enough to take it too.
         return _dense_masked(q, k, v, q_pos, scale, sliding_window)
     kv_heads = k.shape[1]
     g = q.shape[1] // kv_heads

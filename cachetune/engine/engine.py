@@ -91,6 +91,7 @@ class Engine:
         return self.cache_tokens(self.tokenize(text))
 
     def cache_tokens(self, token_ids: torch.Tensor) -> str:
+        """Like cache_chunk for text already tokenized (the ids are used exactly as given)."""
         cid = chunk_id(self.fingerprint, token_ids)
         self._tokens[cid] = token_ids
         if self._lookup(cid) is None:

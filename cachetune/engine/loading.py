@@ -45,8 +45,10 @@ class LayerLoader:
         if self._stream is None:
             return k.to(self.device, self.dtype), v.to(self.device, self.dtype), None
         with torch.cuda.stream(self._stream):
-            k = k.pin_memory().to(self.device, self.dtype, non_blocking=True)
-            v = v.pin_memory().to(self.device, self.dtype, non_blocking=True)
+            if k.device.type == "cpu":  # pinned host memory makes the copy truly asynchronous
+                k, v = k.pin_memory(), v.pin_memory()
+            k = k.to(self.device, self.dtype, non_blocking=True)
+            v = v.to(self.device, self.dtype, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
         return k, v, done
@@ -57,7 +59,11 @@ class LayerLoader:
         if self._pool is not None and index + 1 < self.num_layers:
             self._pending[index + 1] = self._pool.submit(self._read, index + 1)
         if done is not None:
-            torch.cuda.current_stream(self.device).wait_event(done)
+            consumer = torch.cuda.current_stream(self.device)
+            consumer.wait_event(done)
+            # Made on the side stream, used on this one: keep the allocator from reusing them early.
+            k.record_stream(consumer)
+            v.record_stream(consumer)
         return k, v
 
     def close(self) -> None:
