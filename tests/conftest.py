@@ -311,6 +311,12 @@ def assert_cache_matches(result, keys, values, tol=1e-4, rows=None, what=""):
         assert_close(v[idx], result.cache.values[layer, :n][idx], tol, f"{what} values layer {layer}")
 
 
+def assert_cache_matches_hf(result, hf_cache, num_layers, tol=1e-4, rows=None, what=""):
+    """assert_cache_matches against every layer of a transformers cache."""
+    kv = [hf_layer_kv(hf_cache, i) for i in range(num_layers)]
+    assert_cache_matches(result, [k for k, _ in kv], [v for _, v in kv], tol=tol, rows=rows, what=what)
+
+
 def all_selected(layout):
     return [torch.arange(seg.token_ids.numel()) for _, seg in layout.chunk_segments]
 

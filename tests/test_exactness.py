@@ -14,12 +14,12 @@ from conftest import (
     hf_cache_from_rows,
     all_selected,
     assert_cache_matches,
+    assert_cache_matches_hf,
     assert_close,
     build_layout,
     generated_ids,
     hf_concat_reference,
     hf_forward,
-    hf_layer_kv,
     hf_partial_reference,
     none_selected,
     rand_ids,
@@ -85,8 +85,7 @@ def test_ratio_one_reproduces_full_forward_and_cache(llama, pieces, order):
     ref_logits, ref_cache = hf_forward(model, ids)
     res = selective_prefill(adapter, layout, all_selected(layout), layout.total + 8)
     assert_close(ref_logits[-1], res.logits, TOL, "logits")
-    kv = [hf_layer_kv(ref_cache, i) for i in range(adapter.num_layers)]
-    assert_cache_matches(res, [k for k, _ in kv], [v for _, v in kv], what="r=1")
+    assert_cache_matches_hf(res, ref_cache, adapter.num_layers, what="r=1")
     assert res.prompt_tokens == layout.total
     assert res.computed_tokens == layout.total
     assert res.recomputed_chunk_tokens == sum(seg.token_ids.numel() for _, seg in layout.chunk_segments)
@@ -98,8 +97,7 @@ def test_full_prefill_matches_hf_forward_and_cache(llama, pieces):
     ref_logits, ref_cache = hf_forward(model, layout.input_ids)
     res = full_prefill(adapter, layout, layout.total + 4)
     assert_close(ref_logits[-1], res.logits, TOL, "logits")
-    kv = [hf_layer_kv(ref_cache, i) for i in range(adapter.num_layers)]
-    assert_cache_matches(res, [k for k, _ in kv], [v for _, v in kv], what="full_prefill")
+    assert_cache_matches_hf(res, ref_cache, adapter.num_layers, what="full_prefill")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -133,8 +131,7 @@ def test_single_chunk_at_position_zero_ratio_zero_equals_full_prefill(llama, pie
     ref_logits, ref_cache = hf_forward(model, layout.input_ids)
     res = selective_prefill(adapter, layout, none_selected(layout), layout.total)
     assert_close(ref_logits[-1], res.logits, TOL, "logits")
-    kv = [hf_layer_kv(ref_cache, i) for i in range(adapter.num_layers)]
-    assert_cache_matches(res, [k for k, _ in kv], [v for _, v in kv], what="chunk@0 r=0")
+    assert_cache_matches_hf(res, ref_cache, adapter.num_layers, what="chunk@0 r=0")
     assert res.computed_tokens == pieces["q"].numel()
 
 
@@ -144,8 +141,7 @@ def test_prompt_without_cached_chunks_is_plain_forward(llama, pieces):
     ref_logits, ref_cache = hf_forward(model, layout.input_ids)
     res = selective_prefill(adapter, layout, [], layout.total)
     assert_close(ref_logits[-1], res.logits, TOL, "logits")
-    kv = [hf_layer_kv(ref_cache, i) for i in range(adapter.num_layers)]
-    assert_cache_matches(res, [k for k, _ in kv], [v for _, v in kv], what="no chunks")
+    assert_cache_matches_hf(res, ref_cache, adapter.num_layers, what="no chunks")
 
 
 def test_same_chunk_objects_reused_at_new_positions(llama, pieces):

@@ -20,12 +20,12 @@ from conftest import (
     VOCAB,
     all_selected,
     assert_cache_matches,
+    assert_cache_matches_hf,
     assert_close,
     build_layout,
     generated_ids,
     hf_concat_reference,
     hf_forward,
-    hf_layer_kv,
     hf_partial_reference,
     none_selected,
     rand_ids,
@@ -58,8 +58,7 @@ def test_ratio_one_reproduces_hf_forward(tiny_adapter, pieces, family):
     ref_logits, ref_cache = hf_forward(model, layout.input_ids)
     res = selective_prefill(adapter, layout, all_selected(layout), layout.total)
     assert_close(ref_logits[-1], res.logits, TOL, f"{family} logits")
-    kv = [hf_layer_kv(ref_cache, i) for i in range(adapter.num_layers)]
-    assert_cache_matches(res, [k for k, _ in kv], [v for _, v in kv], what=family)
+    assert_cache_matches_hf(res, ref_cache, adapter.num_layers, what=family)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -70,8 +69,7 @@ def test_single_chunk_at_zero_ratio_zero_equals_full_forward(tiny_adapter, piece
     ref_logits, ref_cache = hf_forward(model, layout.input_ids)
     res = selective_prefill(adapter, layout, none_selected(layout), layout.total)
     assert_close(ref_logits[-1], res.logits, TOL, f"{family} logits")
-    kv = [hf_layer_kv(ref_cache, i) for i in range(adapter.num_layers)]
-    assert_cache_matches(res, [k for k, _ in kv], [v for _, v in kv], what=family)
+    assert_cache_matches_hf(res, ref_cache, adapter.num_layers, what=family)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -128,8 +126,7 @@ def test_full_prefill_matches_hf_cache(tiny_adapter, pieces, family):
     ref_logits, ref_cache = hf_forward(model, layout.input_ids)
     res = full_prefill(adapter, layout, layout.total)
     assert_close(ref_logits[-1], res.logits, TOL, f"{family} logits")
-    kv = [hf_layer_kv(ref_cache, i) for i in range(adapter.num_layers)]
-    assert_cache_matches(res, [k for k, _ in kv], [v for _, v in kv], what=family)
+    assert_cache_matches_hf(res, ref_cache, adapter.num_layers, what=family)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
