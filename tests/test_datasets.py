@@ -4,11 +4,22 @@ from pathlib import Path
 import pytest
 
 from cachetune.eval.datasets import (
+    DATASETS,
+    MULTI_NEWS_INSTRUCTION,
+    SAMSUM_DEMOS,
+    SAMSUM_INSTRUCTION,
     QAExample,
     bundled_sample_path,
     format_document,
+    format_samsum_demo,
+    load_dataset,
+    load_longbench,
+    load_longbench_prompts,
     load_qa,
+    load_samsum,
     shared_data_dir,
+    split_demos,
+    split_passages,
 )
 
 
@@ -22,6 +33,12 @@ def shared() -> Path:
 
 def _write_json(path: Path, rows: object) -> Path:
     path.write_text(json.dumps(rows), encoding="utf-8")
+    return path
+
+
+def _write_jsonl(path: Path, rows: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
 
 
@@ -154,3 +171,215 @@ def test_shared_cacheblend_files_load_with_10_documents(shared: Path, relpath: s
         assert len(ex.documents) == 10
         assert ex.question.strip() and ex.answers
         assert all(isinstance(a, str) and a.strip() for a in ex.answers)
+
+
+# --- LongBench passage and few-shot splitting ---------------------------------------------------
+
+
+def test_split_passages_drops_headers_and_empty_pieces_only() -> None:
+    context = "Passage 1:\nNEWLINE_CHAR first  \nPassage 2:\n\nPassage 10:\nsee Passage 3:\ninline\n"
+    docs = split_passages(context)
+    # the empty passage 2 is dropped; "Passage 3:" mid-line is text, not a header
+    assert docs == ["NEWLINE_CHAR first  \n", "see Passage 3:\ninline\n"]
+
+
+def test_split_demos_keeps_each_dialogue_summary_block_whole() -> None:
+    demos = [format_samsum_demo("A: hi\r\nB: yo", "A greets B. "), format_samsum_demo("C: bye", "C leaves.")]
+    assert demos[0] == "Dialogue: A: hi\r\nB: yo\nSummary: A greets B. \n"
+    assert split_demos("".join(demos)) == demos
+
+
+# --- IRCoT HotpotQA ------------------------------------------------------------------------------
+
+
+def _ircot_row(spans: list, contexts: list | None = None) -> dict:
+    return {
+        "question_id": "5a8c",
+        "question_text": "Who?",
+        "answers_objects": [{"number": "", "date": {"day": "", "month": "", "year": ""}, "spans": spans}],
+        "contexts": contexts if contexts is not None else [
+            {"id": "0", "title": "Shirley Temple", "paragraph_text": "An actress.  And diplomat.",
+             "is_supporting": True},
+            {"id": "1", "title": "", "paragraph_text": " untitled", "is_supporting": False},
+        ],
+    }
+
+
+def test_ircot_rows_become_title_paragraph_documents_and_span_answers(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "dev_subsampled.jsonl", [_ircot_row(["Chief of Protocol"])])
+    [ex] = load_dataset(str(path))
+    assert ex == QAExample(
+        id="dev_subsampled-0",
+        documents=["Shirley Temple\nAn actress.  And diplomat.", " untitled"],
+        question="Who?",
+        answers=["Chief of Protocol"],
+        task="qa",
+    )
+
+
+# --- LongBench jsonl (multi_news) -------------------------------------------------------------------
+
+
+def _lb_row(context: str, dataset: str = "multi_news", inp: str = "") -> dict:
+    return {"input": inp, "context": context, "answers": ["A summary."], "length": 9, "dataset": dataset,
+            "language": "en", "all_classes": None, "_id": "e45a"}
+
+
+def test_multi_news_splits_passages_and_asks_for_a_summary(tmp_path: Path) -> None:
+    context = "Passage 1:\nOccupy LA NEWLINE_CHAR NEWLINE_CHAR stays.\nPassage 2:\nPhilly too.\n"
+    path = _write_jsonl(tmp_path / "multi_news.jsonl", [_lb_row(context)])
+    [ex] = load_dataset(str(path))
+    assert ex.documents == ["Occupy LA NEWLINE_CHAR NEWLINE_CHAR stays.\n", "Philly too.\n"]
+    assert "".join(f"Passage {i}:\n{d}" for i, d in enumerate(ex.documents, 1)) == context  # byte-for-byte
+    assert (ex.question, ex.answers, ex.task) == (MULTI_NEWS_INSTRUCTION, ["A summary."], "summarization")
+
+
+def test_longbench_qa_rows_use_the_input_as_question(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "hotpotqa.jsonl", [_lb_row("Passage 1:\nT\nx\n", "hotpotqa", "Who?")])
+    [ex] = load_longbench(path)
+    assert (ex.documents, ex.question, ex.task) == (["T\nx\n"], "Who?", "qa")
+
+
+# --- SAMSum few-shot --------------------------------------------------------------------------------
+
+
+def _samsum_dir(tmp_path: Path, n_test: int = 5, n_val: int = 12) -> Path:
+    _write_jsonl(tmp_path / "validation.jsonl",
+                 [{"context": f"V{j}: hi\r\nW: ok", "response": f"sum {j}. "} for j in range(n_val)])
+    queries = [{"context": f"T{i}: q", "response": f"gold {i}"} for i in range(n_test)]
+    return _write_jsonl(tmp_path / "test.jsonl", queries)
+
+
+def test_samsum_examples_are_demos_from_the_pool_then_the_query(tmp_path: Path) -> None:
+    test = _samsum_dir(tmp_path)
+    examples = load_samsum(test, demos=4, pool=6)
+    pool = [format_samsum_demo(f"V{j}: hi\r\nW: ok", f"sum {j}. ") for j in range(6)]
+    for i, ex in enumerate(examples):
+        assert ex.id == f"test-{i}" and ex.task == "summarization" and ex.answers == [f"gold {i}"]
+        assert len(ex.documents) == 4 and len(set(ex.documents)) == 4 and set(ex.documents) <= set(pool)
+        assert ex.question == f"{SAMSUM_INSTRUCTION}\n\nDialogue: T{i}: q\nSummary:"
+    assert len({tuple(ex.documents) for ex in examples}) > 1  # demos differ per example...
+    assert load_samsum(test, demos=4, pool=6) == examples  # ...deterministically
+    assert load_samsum(test, limit=2, demos=4, pool=6) == examples[:2]  # and independent of limit
+
+
+def test_samsum_needs_its_validation_demos(tmp_path: Path) -> None:
+    test = _samsum_dir(tmp_path, n_val=3)
+    with pytest.raises(ValueError, match="3"):
+        load_samsum(test, demos=4)
+    (tmp_path / "validation.jsonl").unlink()
+    with pytest.raises(FileNotFoundError, match="validation.jsonl"):
+        load_dataset(str(test))
+
+
+# --- MiniLongBench prompts ---------------------------------------------------------------------------
+
+QA_HEAD = "Answer the question based on the given passages. Only give me the answer and do not output any other words."
+QA_PROMPT = (f"{QA_HEAD}\n\nThe following are given passages.\nPassage 1:\nWilburys\nA band.\n\nMore.\n"
+             f"Passage 2:\nDylan\nA singer.\n\n{QA_HEAD}\n\nQuestion: Who?\nAnswer:")
+NEWS_PROMPT = ("You are given several news passages. Write a one-page summary of all news. \n\nNews:\nPassage 1:\nA.\n"
+               "Passage 2:\nB.\n\n\nNow, write a one-page summary of all the news.\n\nSummary:\n")
+SAMSUM_PROMPT = ("Summarize the dialogue into a few short sentences. The following are some examples.\n\n"
+                 "Dialogue: A: hi\r\nB: yo\nSummary: A greets. \nDialogue: C: x\nSummary: C.\n"
+                 "\n\nDialogue: D: q\nSummary: ")
+
+
+def _mini(tmp_path: Path, name: str, prompt: str, gold: object) -> Path:
+    item = {"origin_prompt": prompt, "prediction": "ignored", "gold": gold, "time": "1"}
+    return _write_json(tmp_path / f"MiniLongBench_{name}.json", {"0": item, "1": item})
+
+
+def test_minilongbench_qa_prompt_splits_into_passages_and_the_tail(tmp_path: Path) -> None:
+    path = _mini(tmp_path, "hotpotqa", QA_PROMPT, "['Bob Dylan', \"O'Brien\"]")  # a Python repr, not JSON
+    ex = load_dataset(str(path))[1]
+    assert ex.id == "MiniLongBench_hotpotqa-1" and ex.task == "qa"
+    assert ex.documents == ["Wilburys\nA band.\n\nMore.\n", "Dylan\nA singer."]
+    assert ex.question == f"{QA_HEAD}\n\nQuestion: Who?\nAnswer:"
+    assert ex.answers == ["Bob Dylan", "O'Brien"]
+
+
+def test_minilongbench_summarization_prompts(tmp_path: Path) -> None:
+    [news, _] = load_longbench_prompts(_mini(tmp_path, "multi_news", NEWS_PROMPT, ["S."]))
+    assert (news.documents, news.task) == (["A.\n", "B.\n"], "summarization")
+    assert news.question == "Now, write a one-page summary of all the news.\n\nSummary:\n"
+    [sam] = load_longbench_prompts(_mini(tmp_path, "samsum", SAMSUM_PROMPT, "['D asks.']"), limit=1)
+    assert sam.documents == ["Dialogue: A: hi\r\nB: yo\nSummary: A greets. \n", "Dialogue: C: x\nSummary: C.\n"]
+    assert (sam.question, sam.answers) == ("Dialogue: D: q\nSummary: ", ["D asks."])
+
+
+# --- the registry and load_dataset -------------------------------------------------------------------
+
+
+def test_registry_names_resolve_under_data_dir_with_stable_ids(tmp_path: Path) -> None:
+    _write_jsonl(tmp_path / DATASETS["hotpotqa"].path, [_ircot_row([f"a{i}"]) for i in range(4)])
+    full = load_dataset("hotpotqa", data_dir=tmp_path)
+    assert [ex.id for ex in full] == [f"hotpotqa-{i}" for i in range(4)]
+    assert load_dataset("hotpotqa", limit=2, data_dir=tmp_path) == full[:2]
+
+
+def test_registry_covers_every_shared_file() -> None:
+    assert set(DATASETS) == {"musique", "2wikimqa", "hotpotqa", "multi_news", "samsum", "lb_hotpotqa",
+                             "lb_2wikimqa", "lb_musique", "lb_samsum", "lb_multi_news"}
+    assert {spec.task for spec in DATASETS.values()} == {"qa", "summarization"}
+
+
+def test_missing_dataset_file_names_the_expected_path(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="multi_news/multi_news.jsonl"):
+        load_dataset("multi_news", data_dir=tmp_path)
+    with pytest.raises(FileNotFoundError, match="neither a file nor a dataset"):
+        load_dataset("no_such_set")
+
+
+def test_cacheblend_file_paths_load_as_before(tmp_path: Path) -> None:
+    path = _write_json(tmp_path / "wiki.json", [_row([["Croatia"]])])
+    assert load_dataset(str(path)) == load_qa(path)
+
+
+NEW_FORMAT_MALFORMED = {
+    "ircot_no_spans.jsonl": [_ircot_row([])],
+    "ircot_bad_context.jsonl": [_ircot_row(["a"], contexts=[{"title": "t"}])],
+    "longbench_no_passages.jsonl": [_lb_row("no headers here", "hotpotqa", "q")],
+    "samsum_no_summary.jsonl": [{"context": "A: hi", "response": ""}],
+    "unknown_keys.jsonl": [{"text": "x"}],
+    "MiniLongBench_bad_gold.json": {"0": {"origin_prompt": QA_PROMPT, "gold": "['unclosed"}},
+    "MiniLongBench_other_task.json": {"0": {"origin_prompt": "Translate this.", "gold": "['x']"}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_FORMAT_MALFORMED))
+def test_malformed_rows_of_every_format_raise_value_error_naming_the_file(tmp_path: Path, name: str) -> None:
+    rows = NEW_FORMAT_MALFORMED[name]
+    path = _write_json(tmp_path / name, rows) if name.endswith(".json") else _write_jsonl(tmp_path / name, rows)
+    if name.startswith("samsum"):
+        _write_jsonl(tmp_path / "validation.jsonl", [{"context": "A: hi", "response": "ok"}] * SAMSUM_DEMOS)
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        load_dataset(str(path))
+
+
+# --- every registered shared dataset (skipped without shared/data) ------------------------------------
+
+SHARED_SIZES = {"musique": 150, "2wikimqa": 102, "hotpotqa": 500, "multi_news": 200, "samsum": 819,
+                "lb_hotpotqa": 13, "lb_2wikimqa": 13, "lb_musique": 7, "lb_samsum": 15, "lb_multi_news": 11}
+DOCS_PER_EXAMPLE = {"musique": 10, "2wikimqa": 10, "hotpotqa": 10, "samsum": SAMSUM_DEMOS}
+
+
+@pytest.mark.parametrize("name", sorted(DATASETS))
+def test_first_examples_of_every_shared_dataset(shared: Path, name: str) -> None:
+    examples = load_dataset(name, limit=3)
+    assert [ex.id for ex in examples] == [f"{name}-{i}" for i in range(3)]
+    for ex in examples:
+        assert ex.task == DATASETS[name].task
+        assert ex.documents and all(doc.strip() for doc in ex.documents)
+        assert len(ex.documents) == DOCS_PER_EXAMPLE.get(name, len(ex.documents))
+        assert ex.question.strip() and ex.answers and all(a.strip() for a in ex.answers)
+
+
+def test_shared_dataset_sizes_match_the_readme(shared: Path) -> None:
+    assert {name: len(load_dataset(name)) for name in DATASETS} == SHARED_SIZES
+
+
+def test_minilongbench_news_passages_equal_the_longbench_jsonl_split(shared: Path) -> None:
+    # MiniLongBench items are LongBench multi_news test rows, so both loaders must cut the same chunks.
+    full = {tuple(ex.documents): ex.answers for ex in load_dataset("multi_news")}
+    for ex in load_dataset("lb_multi_news"):
+        assert full[tuple(ex.documents)] == ex.answers

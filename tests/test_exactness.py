@@ -5,6 +5,8 @@ References are HF-only; see the hf_*_reference builders in conftest.py.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -250,7 +252,7 @@ def test_greedy_generation_matches_hf_generate(llama, pieces, how, room):
         res = full_prefill(adapter, layout, layout.total + room)
     else:
         res = selective_prefill(adapter, layout, all_selected(layout), layout.total + room)
-    decoded = generate_tokens(adapter, res.cache, res.logits, SamplingConfig(max_new_tokens=8), stop_ids=set())
+    decoded = generate_tokens(partial(extend, adapter, res.cache), res.logits, SamplingConfig(max_new_tokens=8), stop_ids=set())
     assert generated_ids(decoded) == expected
     assert res.cache.length == layout.total + 7  # the 8th token is sampled, never fed back
 
@@ -262,7 +264,7 @@ def test_generation_stops_at_stop_id(llama, pieces):
     stop = expected[3]
     k = expected.index(stop)
     res = selective_prefill(adapter, layout, all_selected(layout), layout.total)
-    decoded = generate_tokens(adapter, res.cache, res.logits, SamplingConfig(max_new_tokens=8), stop_ids={stop})
+    decoded = generate_tokens(partial(extend, adapter, res.cache), res.logits, SamplingConfig(max_new_tokens=8), stop_ids={stop})
     assert generated_ids(decoded) == expected[:k]
 
 

@@ -7,6 +7,8 @@ scaled embeddings), plus Gemma 3 with final logit soft-capping.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PhiConfig
@@ -103,7 +105,7 @@ def test_generation_after_selective_r1_matches_hf_generate(tiny_adapter, pieces,
     out = model.generate(ids[None], max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     expected = out[0, ids.numel():].tolist()
     res = selective_prefill(adapter, layout, all_selected(layout), layout.total)
-    decoded = generate_tokens(adapter, res.cache, res.logits, SamplingConfig(max_new_tokens=8), stop_ids=set())
+    decoded = generate_tokens(partial(extend, adapter, res.cache), res.logits, SamplingConfig(max_new_tokens=8), stop_ids=set())
     assert generated_ids(decoded) == expected
 
 

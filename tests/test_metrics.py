@@ -9,6 +9,8 @@ from cachetune.eval.metrics import (
     first_line,
     kl_to_reference,
     normalize_answer,
+    rouge_l,
+    score_answer,
     summarize,
     top1_agreement,
 )
@@ -77,6 +79,45 @@ def test_exact_match_uses_normalization_and_the_first_line() -> None:
     assert exact_match("Exeter College.\nbecause ...", ["exeter college"]) == 1.0
     assert exact_match("Exeter College Oxford", ["Exeter College"]) == 0.0
     assert exact_match("Croatia", ["Kingdom of Croatia", "croatia"]) == 1.0
+
+
+# --- ROUGE-L and per-task dispatch --------------------------------------------------------------
+
+
+def test_rouge_l_identical_is_one_and_disjoint_is_zero() -> None:
+    assert rouge_l("Amanda will text Larry.", ["Amanda will text Larry."]) == 1.0
+    assert rouge_l("Amanda will text Larry.", ["Hannah bought coffee beans"]) == 0.0
+    assert rouge_l("", ["Hannah bought coffee beans"]) == 0.0
+
+
+def test_rouge_l_partial_overlap_matches_hand_computed_lcs() -> None:
+    # pred "police arrested two men" (4), ref "two men were arrested by police" (6): the LCS is
+    # "two men" (2), not the 3 shared words, since order matters. P = 2/4, R = 2/6 -> F = 0.4
+    assert rouge_l("police arrested two men", ["two men were arrested by police"]) == pytest.approx(0.4)
+    # "a b c d" vs "a c e": LCS "a c" = 2, P = 1/2, R = 2/3 -> F = 4/7
+    assert rouge_l("a b c d", ["a c e"]) == pytest.approx(4 / 7)
+
+
+def test_rouge_l_stems_ignores_case_and_punctuation() -> None:
+    assert rouge_l("The CATS sat!", ["the cat sat"]) == 1.0  # "cats" -> "cat"
+
+
+def test_rouge_l_takes_the_max_over_references_and_accepts_one_string() -> None:
+    refs = ["two men were arrested by police", "police arrested two men"]
+    assert rouge_l("police arrested two men", refs) == 1.0
+    assert rouge_l("a b c d", "a c e") == pytest.approx(4 / 7)  # not scored character by character
+    with pytest.raises(ValueError):
+        rouge_l("x", [])
+
+
+def test_score_answer_dispatches_on_task() -> None:
+    prediction = "Exeter College\nHe studied in Oxford."
+    # qa: token F1 on the first line only
+    assert score_answer("qa", prediction, ["Exeter College"]) == 1.0
+    # summarization: ROUGE-L on the whole text, LCS 2 of 6 predicted / 2 reference tokens -> F = 0.5
+    assert score_answer("summarization", prediction, ["Exeter College"]) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="translation"):
+        score_answer("translation", prediction, ["x"])
 
 
 # --- fidelity to a reference prefill ----------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -63,15 +64,16 @@ class _shifted:
 
 @torch.no_grad()
 def generate_tokens(
-    adapter: ModelAdapter,
-    cache: KVCache,
+    step: Callable[[list[int]], torch.Tensor],
     first_logits: torch.Tensor,
     cfg: SamplingConfig,
     stop_ids: set[int],
 ) -> list[int]:
     """Sample from `first_logits`, then decode one token at a time until a stop id or the budget.
 
-    Returns the generated ids without the stop token. The cache is extended in place."""
+    step(ids) appends tokens to the request's cache and returns their logits [len, vocab] (e.g.
+    `functools.partial(extend, adapter, cache)` or a PrefillResult's method-aware `extend`).
+    Returns the generated ids without the stop token."""
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
     out: list[int] = []
     logits = first_logits
@@ -82,5 +84,5 @@ def generate_tokens(
         out.append(token)
         if len(out) >= cfg.max_new_tokens:
             break
-        logits = extend(adapter, cache, [token])[-1]
+        logits = step([token])[-1]
     return out

@@ -11,21 +11,25 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from cachetune.chunks.encode import chunk_id, encode_chunk
+from cachetune.chunks.ranking import rank_tokens
 from cachetune.config import EngineConfig
+from cachetune.engine.ape import APEConfig, ape_prefill
 from cachetune.engine.decode import SamplingConfig, generate_tokens
 from cachetune.engine.layout import PromptLayout, Segment
-from cachetune.engine.prefill import PrefillResult, full_prefill, selective_prefill
+from cachetune.engine.prefill import PrefillResult, full_prefill, prefix_prefill, pruned_prefill, selective_prefill
+from cachetune.engine.prefix_cache import PrefixCache
 from cachetune.engine.prompt import DEFAULT_SYSTEM, PromptTemplate
 from cachetune.engine.selfcheck import ReuseRefusedError, run_self_check
 from cachetune.model.adapter import ModelAdapter
 from cachetune.model.loader import LoadedModel, default_cache_dir, load_model, model_fingerprint
-from cachetune.selectors import SELECTORS, get_selector
+from cachetune.selectors import SELECTORS, SelectionRequest, get_selector
 from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
 from cachetune.store.disk import DiskStore
 from cachetune.store.memory import MemoryStore
@@ -33,7 +37,11 @@ from cachetune.store.memory import MemoryStore
 log = logging.getLogger(__name__)
 
 FULL_RECOMPUTE = "full_recompute"
-METHODS = (FULL_RECOMPUTE, *SELECTORS)
+PREFIX = "prefix"
+APE = "ape"
+# Exact methods (their KV may seed the prefix cache), then reuse methods with their own prefill.
+PREFILL_METHODS = (FULL_RECOMPUTE, PREFIX)
+METHODS = (*PREFILL_METHODS, APE, *SELECTORS)
 
 
 @dataclass
@@ -61,6 +69,9 @@ class Engine:
         self.template = PromptTemplate(self.tokenizer)
         self.store = store or self._default_store()
         self._tokens: dict[str, torch.Tensor] = {}  # ids cached by this engine, to re-encode after corruption
+        self._rankings: dict[tuple[str, str], torch.Tensor] = {}  # (chunk id, ranker) -> offline ranking
+        self.prefix_cache = PrefixCache()
+        self.ape_config = APEConfig()
         self.reuse_error: str | None = None
         self.self_check_error: float | None = None
         if self.config.self_check:
@@ -115,6 +126,33 @@ class Engine:
             raise KeyError(f"chunk {cid} is not in the store; cache its text with cache_chunk() first")
         return stored
 
+    def ranking(self, chunk: StoredChunk, ranker: str) -> torch.Tensor:
+        """The chunk's ranking by a named offline ranker; the stored one for "lf", others computed once.
+
+        Computing a ranking other than the stored one reads every layer of the chunk from its tier;
+        callers that time requests should ask for it before the clock starts (it is offline work).
+        """
+        if ranker == "lf":
+            return chunk.ranking
+        key = (chunk.chunk_id, ranker)
+        if key not in self._rankings:
+            every = torch.arange(chunk.num_tokens)
+            layers = [chunk.load_layer(layer, every) for layer in range(self.adapter.num_layers)]
+            keys = torch.stack([k for k, _ in layers])  # [L, N, Hkv, D]
+            values = torch.stack([v for _, v in layers])
+            self._rankings[key] = rank_tokens(ranker, keys, values, chunk.token_ids, self.config.alpha)
+        return self._rankings[key]
+
+    def cache_prefix(self, token_ids: torch.Tensor) -> int:
+        """Run a plain prefill of `token_ids` and keep its full blocks in the prefix cache.
+
+        The prefix method reuses these blocks exactly where a later prompt starts with the same
+        tokens (what a vLLM server holds after serving that text). Returns the number cached."""
+        layout = PromptLayout([Segment(token_ids)])
+        result = full_prefill(self.adapter, layout, layout.total)
+        self.prefix_cache.insert(token_ids, result.cache)
+        return (layout.total // self.prefix_cache.block_size) * self.prefix_cache.block_size
+
     # ---- requests -----------------------------------------------------------------------------
     def layout(self, chunks: Sequence[str], question: str, system: str | None = None) -> PromptLayout:
         """Template start + system prompt, the cached chunks in the given order, then the question."""
@@ -132,10 +170,19 @@ class Engine:
         capacity = layout.total + extra_capacity
         if method == FULL_RECOMPUTE:
             return full_prefill(self.adapter, layout, capacity)
+        if method == PREFIX:  # exact KV at the same positions: lossless, no self-check needed
+            return prefix_prefill(self.adapter, layout, self.prefix_cache, capacity)
         if self.reuse_error is not None:
             raise ReuseRefusedError(self.reuse_error)
-        selections = get_selector(method).select([s.chunk for _, s in layout.chunk_segments], ratio)
-        return selective_prefill(self.adapter, layout, selections, capacity, self.config.prefetch)
+        if method == APE:
+            return ape_prefill(self.adapter, layout, capacity, self.ape_config)
+        selector = get_selector(method)
+        request = SelectionRequest(layout, self.adapter, self.ranking)
+        selections = selector.select(request, ratio)
+        if selector.drops_unselected:
+            return pruned_prefill(self.adapter, layout, selections, capacity)
+        fuse = selector.fusion(request, selections)
+        return selective_prefill(self.adapter, layout, selections, capacity, self.config.prefetch, fuse=fuse)
 
     def stop_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -177,7 +224,12 @@ class Engine:
         """Answer `question` over the cached `chunks` (ids from cache_chunk, in prompt order)."""
         sampling = sampling or SamplingConfig()
         result, ttft_ms = self.start_request(chunks, question, system, method, ratio, sampling.max_new_tokens)
-        tokens = generate_tokens(self.adapter, result.cache, result.logits, sampling, self.stop_ids())
+        step = partial(result.extend, self.adapter)
+        tokens = generate_tokens(step, result.logits, sampling, self.stop_ids())
+        if method in PREFILL_METHODS:
+            # Like vLLM's automatic prefix caching, remember served prompts; only exact KV goes in,
+            # never the approximate KV of a reuse method.
+            self.prefix_cache.insert(self.layout(chunks, question, system).input_ids, result.cache)
         return GenerationResult(
             text=self.tokenizer.decode(tokens, skip_special_tokens=True),
             token_ids=tokens,

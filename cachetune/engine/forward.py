@@ -32,6 +32,11 @@ class ReusedKV(Protocol):
 
 
 CaptureFn = Callable[[int, torch.Tensor, torch.Tensor], None]
+# observe(layer, q [T, H, D] rotated, keys [end, Hkv, D] rotated): sees every active query and the
+# layer's complete keys just before attention (ProphetKV scores context tokens with it).
+ObserveFn = Callable[[int, torch.Tensor, torch.Tensor], None]
+# fuse(layer, k, v) -> (k, v): rewrites the active tokens' fresh pre-RoPE K/V before they are cached.
+FuseFn = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def forward_active(
@@ -43,6 +48,9 @@ def forward_active(
     reused: ReusedKV | None = None,
     capture: CaptureFn | None = None,
     last_only: bool = False,
+    observe: ObserveFn | None = None,
+    layers: range | None = None,
+    fuse: FuseFn | None = None,
 ) -> torch.Tensor:
     """Run all layers for the active tokens and fill `cache` up to max(active_pos) + 1.
 
@@ -53,9 +61,12 @@ def forward_active(
     Returns the active tokens' final hidden states [T, hidden], or only the last one [1, hidden] with
     `last_only`: the final layer still writes every active token's K/V (decoding needs them) but runs
     attention and MLP for the last token alone, since nothing reads the other outputs.
+    `layers` runs a contiguous sub-range (default all): `hidden` must then be the input of its first
+    layer, and the output is that of its last (CacheBlend's check layer runs layer 0 alone).
     """
     end = int(active_pos[-1]) + 1
     cache.ensure_capacity(end)
+    layers = layers if layers is not None else range(adapter.num_layers)
     last = adapter.num_layers - 1
     # Everything that depends only on positions is computed once, not per layer.
     rp = reused.positions if reused is not None and reused.positions.numel() else None
@@ -65,7 +76,7 @@ def forward_active(
     plan = plan_blocks(active_pos, groups, adapter.dtype)
     last_pos = active_pos[-1:] if last_only else active_pos
     last_plan = plan_blocks(last_pos, groups, adapter.dtype) if last_only else plan
-    for layer in range(adapter.num_layers):
+    for layer in layers:
         info = adapter.layer_info[layer]
         if rp is not None:
             rk, rv = reused.layer(layer)
@@ -74,10 +85,14 @@ def forward_active(
         q, k, v = adapter.project_qkv(layer, hidden)
         if capture is not None:
             capture(layer, k, v)
+        if fuse is not None:
+            k, v = fuse(layer, k, v)
         qcos, qsin = active_rope[info.rope_kind]
         q = adapter.rotate(q, qcos, qsin)
         cache.keys[layer].index_copy_(0, active_pos, adapter.rotate(k, qcos, qsin))
         cache.values[layer].index_copy_(0, active_pos, v)
+        if observe is not None:
+            observe(layer, q, cache.keys[layer, :end])
         q_pos, layer_plan = active_pos, plan
         if layer == last and last_only:
             q, hidden, q_pos, layer_plan = q[-1:], hidden[-1:], last_pos, last_plan

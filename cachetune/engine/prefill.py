@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from cachetune.engine.forward import forward_active
+from cachetune.engine.forward import FuseFn, ObserveFn, forward_active
 from cachetune.engine.kv_cache import KVCache
-from cachetune.engine.layout import PromptLayout
+from cachetune.engine.layout import PromptLayout, Segment
 from cachetune.engine.loading import LayerLoader
+from cachetune.engine.prefix_cache import PrefixCache
 from cachetune.model.adapter import ModelAdapter
 
 
@@ -32,6 +33,14 @@ class PrefillResult:
             self._cache = KVCache.from_hf(self._cache, self._capacity)
         return self._cache
 
+    def extend(self, adapter: ModelAdapter, token_ids: list[int]) -> torch.Tensor:
+        """Decode step(s): append tokens to the cache; returns their next-token logits [len, vocab].
+
+        Methods whose attention differs from the model's own (APE) override this."""
+        from cachetune.engine.decode import extend
+
+        return extend(adapter, self.cache, token_ids)
+
 
 @torch.no_grad()
 def full_prefill(adapter: ModelAdapter, layout: PromptLayout, capacity: int) -> PrefillResult:
@@ -52,10 +61,13 @@ def selective_prefill(
     selections: list[torch.Tensor],
     capacity: int,
     prefetch: bool = True,
+    observe: ObserveFn | None = None,
+    fuse: FuseFn | None = None,
 ) -> PrefillResult:
     """Recompute uncached text and the selected chunk tokens; reuse all other chunk KV.
 
     selections: per cached chunk (prompt order), sorted local indices to recompute.
+    observe, fuse: passed to forward_active (see there).
     """
     chunks = layout.chunk_segments
     if len(selections) != len(chunks):
@@ -83,7 +95,42 @@ def selective_prefill(
     rope = adapter.rope_tables(torch.arange(cache.capacity, device=device))
     with LayerLoader(parts, adapter.num_layers, device, adapter.dtype, prefetch) as loader:
         hidden = forward_active(
-            adapter, adapter.embed(ids), active_pos.to(device), cache, rope, reused=loader, last_only=True
+            adapter, adapter.embed(ids), active_pos.to(device), cache, rope, reused=loader, last_only=True,
+            observe=observe, fuse=fuse,
         )
     logits = adapter.logits(hidden[-1:])[0]
     return PrefillResult(cache, logits, layout.total, int(active_pos.numel()), recomputed)
+
+
+@torch.no_grad()
+def prefix_prefill(adapter: ModelAdapter, layout: PromptLayout, prefix_cache: PrefixCache,
+                   capacity: int) -> PrefillResult:
+    """Reuse the longest cached prefix (exact KV); compute everything after it in one forward."""
+    ids = layout.input_ids
+    device = adapter.device
+    cache = KVCache.empty(
+        adapter.num_layers, max(capacity, layout.total), adapter.num_kv_heads, adapter.head_dim, adapter.dtype, device
+    )
+    hit = prefix_cache.load(ids, cache)
+    cache.length = hit
+    active_pos = torch.arange(hit, layout.total, device=device)
+    rope = adapter.rope_tables(torch.arange(cache.capacity, device=device))
+    hidden = forward_active(adapter, adapter.embed(ids[hit:].to(device)), active_pos, cache, rope, last_only=True)
+    logits = adapter.logits(hidden[-1:])[0]
+    # Chunk tokens after the hit are recomputed; those inside it were reused.
+    recomputed = sum(max(0, start + seg.chunk.num_tokens - max(start, hit)) for start, seg in layout.chunk_segments)
+    return PrefillResult(cache, logits, layout.total, layout.total - hit, recomputed)
+
+
+@torch.no_grad()
+def pruned_prefill(adapter: ModelAdapter, layout: PromptLayout, selections: list[torch.Tensor],
+                   capacity: int) -> PrefillResult:
+    """Keep only the selected tokens of each chunk, drop the rest from the prompt, run a full prefill.
+
+    The kept tokens get consecutive positions (the dropped ones never existed for the model)."""
+    kept = iter(selections)
+    segments = [Segment(seg.token_ids[next(kept)]) if seg.cached else seg for seg in layout.segments]
+    pruned = PromptLayout(segments)
+    result = full_prefill(adapter, pruned, capacity)
+    result.recomputed_chunk_tokens = sum(int(s.numel()) for s in selections)
+    return result

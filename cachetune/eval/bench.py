@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cachetune.engine.decode import SamplingConfig, extend, generate_tokens
+from functools import partial
+
+from cachetune.engine.decode import SamplingConfig, generate_tokens
 from cachetune.engine.engine import FULL_RECOMPUTE, METHODS, Engine
 from cachetune.eval.datasets import QAExample
 from cachetune.eval.metrics import f1_score, kl_to_reference, summarize, top1_agreement
@@ -62,7 +64,7 @@ def _teacher_forced_logits(engine: Engine, result, answer: list[int]) -> torch.T
     first = result.logits.unsqueeze(0)
     if not answer:
         return first
-    rest = extend(engine.adapter, result.cache, answer)
+    rest = result.extend(engine.adapter, answer)
     result.cache.truncate(result.prompt_tokens)
     return torch.cat([first, rest])
 
@@ -80,7 +82,7 @@ def run_example(engine: Engine, ex: QAExample, cfg: BenchConfig, stats: dict[str
         chunk_tokens = sum(engine.chunk(c).num_tokens for c in ids)
         s.recomputed_share.append(result.recomputed_chunk_tokens / max(chunk_tokens, 1))
         if method == FULL_RECOMPUTE:
-            ref_answer = generate_tokens(engine.adapter, result.cache, result.logits, sampling, engine.stop_ids())
+            ref_answer = generate_tokens(partial(result.extend, engine.adapter), result.logits, sampling, engine.stop_ids())
             result.cache.truncate(result.prompt_tokens)
             ref_logits = _teacher_forced_logits(engine, result, ref_answer)
             answer = ref_answer
@@ -88,7 +90,7 @@ def run_example(engine: Engine, ex: QAExample, cfg: BenchConfig, stats: dict[str
             logits = _teacher_forced_logits(engine, result, ref_answer)
             s.kl.append(float(kl_to_reference(ref_logits, logits).mean()))
             s.top1.extend(top1_agreement(ref_logits, logits).float().tolist())
-            answer = generate_tokens(engine.adapter, result.cache, result.logits, sampling, engine.stop_ids())
+            answer = generate_tokens(partial(result.extend, engine.adapter), result.logits, sampling, engine.stop_ids())
         if method == FULL_RECOMPUTE:
             s.kl.append(0.0)
             s.top1.extend([1.0] * (len(ref_answer) + 1))

@@ -1,16 +1,18 @@
-"""Evaluation metrics as pure functions: answer F1 / EM, fidelity to a reference prefill, latency summaries.
+"""Evaluation metrics as pure functions: answer F1 / EM, ROUGE-L, fidelity to a reference prefill, latency summaries.
 
 Answer scoring follows SQuAD / LongBench `qa_f1`: normalize, split on whitespace, bag-of-words F1, max
 over the gold answers. Like CacheBlend, only the first non-empty line of a generation is scored, since
-small models keep talking after the answer.
+small models keep talking after the answer. Summaries are scored whole with ROUGE-L F (`rouge-score`).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import string
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,6 +69,35 @@ def exact_match(prediction: str, answers: Sequence[str], *, collapse_yes_no: boo
         raise ValueError("exact_match needs at least one gold answer")
     pred = " ".join(_prediction_tokens(prediction, collapse_yes_no))
     return float(any(pred == normalize_answer(a) for a in answers))
+
+
+def rouge_l(prediction: str, references: str | Sequence[str]) -> float:
+    """Max ROUGE-L F-measure of `prediction` over `references` (Porter-stemmed, case and punctuation ignored).
+
+    ROUGE-L compares the longest common subsequence of tokens: P = LCS / len(pred), R = LCS / len(ref).
+    """
+    refs = [references] if isinstance(references, str) else list(references)
+    if not refs:
+        raise ValueError("rouge_l needs at least one reference")
+    scorer = _rouge_scorer()
+    return float(max(scorer.score(ref, prediction)["rougeL"].fmeasure for ref in refs))
+
+
+@functools.cache
+def _rouge_scorer() -> Any:
+    # Imported on first use: rouge_score pulls in nltk, which callers scoring only QA never need.
+    from rouge_score import rouge_scorer
+
+    return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+
+
+def score_answer(task: str, prediction: str, answers: Sequence[str]) -> float:
+    """The task's answer metric: "qa" -> `f1_score` (first line), "summarization" -> `rouge_l` (whole text)."""
+    if task == "qa":
+        return f1_score(prediction, answers)
+    if task == "summarization":
+        return rouge_l(prediction, answers)
+    raise ValueError(f"unknown task {task!r} (expected 'qa' or 'summarization')")
 
 
 def kl_to_reference(ref_logits: Tensor, logits: Tensor) -> Tensor:

@@ -3,23 +3,70 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from cachetune.chunks.ranking import top_share
+from cachetune.engine.forward import FuseFn
+from cachetune.engine.layout import PromptLayout
+from cachetune.model.adapter import ModelAdapter
 from cachetune.store.base import StoredChunk
+
+
+@dataclass
+class SelectionRequest:
+    """What a selector may look at: the assembled prompt, the model, and offline rankings.
+
+    `ranking(chunk, name)` returns the chunk's ranking by a named offline ranker
+    (cachetune.chunks.ranking.RANKERS); the engine computes it once per chunk and keeps it.
+    """
+
+    layout: PromptLayout
+    adapter: ModelAdapter
+    ranking: Callable[[StoredChunk, str], torch.Tensor]
+
+    @property
+    def chunks(self) -> list[StoredChunk]:
+        return [seg.chunk for _, seg in self.layout.chunk_segments]
 
 
 class TokenSelector(ABC):
     """Chooses, per chunk, the local token indices to recompute in the new context.
 
-    Contract: `select` returns one sorted, duplicate-free int64 tensor per chunk (in the order given),
-    each index in [0, chunk.num_tokens). Everything not returned is loaded from the store and reused.
-    `ratio` is the share of each chunk's tokens the caller budgets for recompute; a selector may
-    ignore it (full reuse) but must never exceed the chunk length.
+    Contract: `select` returns one sorted, duplicate-free int64 tensor per chunk (prompt order),
+    each index in [0, chunk.num_tokens). By default everything not returned is loaded from the store
+    and reused; a selector with `drops_unselected` instead removes the other tokens from the prompt.
+    `ratio` is the share of chunk tokens budgeted for recompute; a selector may ignore it (full
+    reuse, EPIC) but never exceeds a chunk's length. Online selectors (CacheBlend, ProphetKV) run
+    model computation inside `select`; it counts toward the request's time to first token.
     """
 
     name: str
+    ranker: str | None = None      # offline ranking this selector reads (precomputed by callers)
+    drops_unselected: bool = False
 
     @abstractmethod
-    def select(self, chunks: Sequence[StoredChunk], ratio: float) -> list[torch.Tensor]: ...
+    def select(self, request: SelectionRequest, ratio: float) -> list[torch.Tensor]: ...
+
+    def fusion(self, request: SelectionRequest, selections: list[torch.Tensor]) -> FuseFn | None:
+        """Optional: how recomputed K/V are blended with the stored ones (CacheSlide); None = replace."""
+        return None
+
+
+def split_global_top(scores: list[torch.Tensor], ratio: float) -> list[torch.Tensor]:
+    """Top round(ratio * total) tokens over all chunks together, returned per chunk (sorted, local).
+
+    scores: one [N_i] tensor per chunk. Online methods select one shared budget across the context, so
+    a chunk the query cares about can take more than `ratio` of its own tokens.
+    """
+    flat = torch.cat([s.float().cpu() for s in scores])
+    chosen = top_share(torch.sort(flat, descending=True, stable=True).indices, ratio)
+    out, start = [], 0
+    for s in scores:
+        n = s.numel()
+        mask = (chosen >= start) & (chosen < start + n)
+        out.append(chosen[mask] - start)
+        start += n
+    return out

@@ -1,0 +1,51 @@
+"""CacheBlend (Yao et al., EuroSys 2025): pick high-KV-deviation (HKVD) tokens at a check layer.
+
+Every token runs the layers below the check layer in full context; at the check layer the fresh K/V
+of every chunk token are compared with the stored ones, and the tokens that deviate most (one budget
+of round(ratio * chunk tokens) over the whole context) are recomputed in all layers.
+
+NOTE: our keys are stored before RoPE, and layer 0's K/V depend only on the token embedding, so at
+layer 0 a chunk's stored K/V equal the in-context ones exactly: the first layer where a deviation can
+show is layer 1, which is why the check layer is 1 (layer 0 runs in full, as in CacheBlend's code).
+The selected tokens then run from layer 0 in selective prefill; redoing layer 0 for them costs
+ratio / num_layers of a full prefill, while the reused layer-0 K/V of the others are exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cachetune.engine.forward import forward_active
+from cachetune.engine.kv_cache import KVCache
+from cachetune.selectors.base import SelectionRequest, TokenSelector, split_global_top
+
+
+class CacheBlendSelector(TokenSelector):
+    name = "cacheblend"
+
+    def __init__(self, check_layer: int = 1, deviation: str = "value"):
+        if check_layer < 1:
+            raise ValueError("the check layer must be >= 1 (layer 0 K/V never deviate)")
+        if deviation not in ("value", "key"):
+            raise ValueError(f"deviation must be 'value' or 'key', got {deviation!r}")
+        self.check_layer = check_layer
+        self.deviation = deviation  # CacheBlend's released code compares values (CacheSlide: keys)
+
+    @torch.no_grad()
+    def select(self, request: SelectionRequest, ratio: float) -> list[torch.Tensor]:
+        adapter, layout = request.adapter, request.layout
+        check = min(self.check_layer, adapter.num_layers - 1)
+        device = adapter.device
+        pos = torch.arange(layout.total, device=device)
+        cache = KVCache.empty(check, layout.total, adapter.num_kv_heads, adapter.head_dim, adapter.dtype, device)
+        hidden = adapter.embed(layout.input_ids.to(device))
+        hidden = forward_active(adapter, hidden, pos, cache, adapter.rope_tables(pos), layers=range(check))
+        _, k, v = adapter.project_qkv(check, hidden)  # [T, Hkv, D], keys before RoPE like the store's
+        deviations = []
+        for start, seg in layout.chunk_segments:
+            n = seg.chunk.num_tokens
+            old_k, old_v = seg.chunk.load_layer(check, torch.arange(n))
+            span = slice(start, start + n)
+            new, old = (v[span], old_v) if self.deviation == "value" else (k[span], old_k)
+            deviations.append((new.float() - old.to(device).float()).pow(2).sum(dim=(1, 2)))
+        return split_global_top(deviations, ratio)

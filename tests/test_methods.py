@@ -1,0 +1,274 @@
+"""Each baseline's defining behaviour, on a tiny random Llama against HF or a by-hand reference."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import pytest
+import torch
+
+from cachetune.chunks.ranking import rank_tokens
+from cachetune.engine.ape import APEConfig, ape_attention, ape_prefill
+from cachetune.engine.decode import SamplingConfig, extend, generate_tokens
+from cachetune.engine.layout import PromptLayout, Segment
+from cachetune.engine.prefill import full_prefill, prefix_prefill, pruned_prefill, selective_prefill
+from cachetune.engine.prefix_cache import PrefixCache
+from cachetune.selectors import SELECTORS, SelectionRequest, get_selector, split_global_top
+from cachetune.selectors.cacheslide import CacheSlideSelector
+from conftest import assert_close, build_layout, hf_forward, none_selected, rand_ids
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_adapter):
+    return tiny_adapter("llama")
+
+
+def _parts(prefix=12, chunks=(40, 33, 50), question=9, seed=0):
+    parts = [(rand_ids(prefix, seed), False)]
+    parts += [(rand_ids(n, seed + 1 + i), True) for i, n in enumerate(chunks)]
+    return parts + [(rand_ids(question, seed + 99), False)]
+
+
+def _request(adapter, layout):
+    def ranking(chunk, name):
+        every = torch.arange(chunk.num_tokens)
+        kv = [chunk.load_layer(layer, every) for layer in range(adapter.num_layers)]
+        return rank_tokens(name, torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv]), chunk.token_ids)
+
+    return SelectionRequest(layout, adapter, ranking)
+
+
+def _select(name, adapter, layout, ratio):
+    return get_selector(name).select(_request(adapter, layout), ratio)
+
+
+def _check_selection_contract(selections, layout):
+    assert len(selections) == len(layout.chunk_segments)
+    for sel, (_, seg) in zip(selections, layout.chunk_segments):
+        assert sel.dtype == torch.int64
+        assert torch.equal(sel, torch.unique(sel))
+        assert sel.numel() == 0 or (0 <= int(sel[0]) and int(sel[-1]) < seg.chunk.num_tokens)
+
+
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+@pytest.mark.parametrize("ratio", [0.0, 0.15, 1.0])
+def test_every_selector_keeps_the_contract(llama, name, ratio):
+    _, adapter = llama
+    layout, _ = build_layout(adapter, _parts())
+    _check_selection_contract(_select(name, adapter, layout, ratio), layout)
+
+
+@pytest.mark.parametrize("name", ["cachetune", "cacheblend", "prophetkv", "random", "l2", "highfreq"])
+def test_ratio_one_of_budgeted_selectors_reproduces_full_prefill(llama, name):
+    model, adapter = llama
+    layout, _ = build_layout(adapter, _parts())
+    sel = _select(name, adapter, layout, 1.0)
+    got = selective_prefill(adapter, layout, sel, layout.total)
+    ref, _ = hf_forward(model, layout.input_ids)
+    assert_close(ref[-1], got.logits, TOL, name)
+
+
+def test_budgeted_selectors_spend_round_ratio_of_chunk_tokens(llama):
+    _, adapter = llama
+    layout, _ = build_layout(adapter, _parts())
+    total = sum(seg.chunk.num_tokens for _, seg in layout.chunk_segments)
+    for name in ("cacheblend", "prophetkv", "cacheslide"):  # one budget over the whole context
+        assert sum(s.numel() for s in _select(name, adapter, layout, 0.2)) == round(0.2 * total)
+    for name in ("cachetune", "random", "l2", "highfreq", "lf_only"):  # the budget of each chunk
+        sel = _select(name, adapter, layout, 0.2)
+        assert [s.numel() for s in sel] == [round(0.2 * seg.chunk.num_tokens) for _, seg in layout.chunk_segments]
+
+
+def test_split_global_top_takes_the_best_across_chunks():
+    scores = [torch.tensor([0.1, 0.9, 0.2]), torch.tensor([0.8, 0.0]), torch.tensor([0.7, 0.3, 0.05, 0.6, 0.5])]
+    got = split_global_top(scores, 0.4)  # round(0.4 * 10) = 4 tokens: 0.9, 0.8, 0.7, 0.6
+    assert [g.tolist() for g in got] == [[1], [0], [0, 3]]
+
+
+def test_epic_recomputes_the_first_k_tokens_of_every_chunk_whatever_the_ratio(llama):
+    _, adapter = llama
+    layout, _ = build_layout(adapter, _parts(chunks=(40, 10, 50)))
+    for ratio in (0.0, 0.5):
+        sel = _select("epic", adapter, layout, ratio)
+        assert [s.tolist() for s in sel] == [list(range(16)), list(range(10)), list(range(16))]
+
+
+def _layer_input(model, ids, layer):
+    out = model(input_ids=ids[None], output_hidden_states=True)
+    return out.hidden_states[layer][0]  # input of decoder layer `layer`
+
+
+@pytest.mark.parametrize("name,kind", [("cacheblend", "v"), ("cacheslide", "k")])
+def test_online_deviation_selection_matches_hf_layer_one(llama, name, kind):
+    """CacheBlend picks the largest value deviation at layer 1, CacheSlide the largest key deviation."""
+    model, adapter = llama
+    layout, _ = build_layout(adapter, _parts())
+    hidden = _layer_input(model, layout.input_ids, 1)
+    block = model.model.layers[1]
+    x = block.input_layernorm(hidden)
+    fresh = (block.self_attn.v_proj if kind == "v" else block.self_attn.k_proj)(x)  # [T, Hkv*D], pre-RoPE
+    devs = []
+    for start, seg in layout.chunk_segments:
+        k, v = seg.chunk.load_layer(1, torch.arange(seg.chunk.num_tokens))
+        old = (v if kind == "v" else k).flatten(1)
+        devs.append((fresh[start:start + seg.chunk.num_tokens] - old).pow(2).sum(dim=1))
+    expected = split_global_top(devs, 0.15)
+    got = _select(name, adapter, layout, 0.15)
+    assert [g.tolist() for g in got] == [e.tolist() for e in expected]
+
+
+def test_prophetkv_scores_are_the_questions_attention_averaged_over_layers(llama):
+    """With one chunk at position 0, full reuse is exact, so the HF model's own attention is the reference."""
+    model, adapter = llama
+    parts = [(rand_ids(60, 1), True), (rand_ids(10, 2), False)]
+    layout, _ = build_layout(adapter, parts)
+    model.config._attn_implementation = "eager"
+    try:
+        out = model(input_ids=layout.input_ids[None], output_attentions=True)
+    finally:
+        model.config._attn_implementation = "sdpa"
+    attn = torch.stack(out.attentions)[:, 0]          # [layers, heads, T, T]
+    scores = attn[:, :, 60:, :60].mean(dim=(0, 1, 2))  # question rows, chunk columns
+    expected = split_global_top([scores], 0.25)
+    got = _select("prophetkv", adapter, layout, 0.25)
+    assert got[0].tolist() == expected[0].tolist()
+
+
+def test_cacheslide_blends_recomputed_kv_with_stored_kv(llama):
+    model, adapter = llama
+    layout, _ = build_layout(adapter, _parts())
+    selector = CacheSlideSelector()
+    request = _request(adapter, layout)
+    sel = selector.select(request, 1.0)
+    fuse = selector.fusion(request, sel)
+    got = selective_prefill(adapter, layout, sel, layout.total, fuse=fuse)
+    plain = selective_prefill(adapter, layout, sel, layout.total)
+    # Layers below the first fused one are the plain recompute; later layers mix in stored KV.
+    assert_close(plain.cache.keys[:2, :layout.total], got.cache.keys[:2, :layout.total], 1e-6, "unfused layers")
+    start, seg = layout.chunk_segments[0]
+    k_new = plain.cache.keys[2, start:start + seg.chunk.num_tokens]
+    k_got = got.cache.keys[2, start:start + seg.chunk.num_tokens]
+    assert not torch.allclose(k_new, k_got)
+    # Uncached text (the question) is never blended.
+    q = slice(layout.starts[-1], layout.total)
+    assert_close(plain.cache.values[2, q], got.cache.values[2, q], 1e-6, "question rows")
+
+
+def test_lf_only_drops_unselected_tokens_before_a_full_prefill(llama):
+    model, adapter = llama
+    layout, _ = build_layout(adapter, _parts())
+    sel = _select("lf_only", adapter, layout, 0.3)
+    got = pruned_prefill(adapter, layout, sel, layout.total)
+    kept = iter(sel)
+    ids = torch.cat([s.token_ids[next(kept)] if s.cached else s.token_ids for s in layout.segments])
+    ref, _ = hf_forward(model, ids)
+    assert got.prompt_tokens == ids.numel() < layout.total
+    assert_close(ref[-1], got.logits, TOL, "pruned prompt")
+
+
+# ---- prefix caching ----------------------------------------------------------------------------
+
+
+def test_prefix_reuses_block_aligned_prefix_losslessly(llama):
+    model, adapter = llama
+    layout, _ = build_layout(adapter, _parts())
+    ids = layout.input_ids
+    pc = PrefixCache(block_size=16)
+    warm = full_prefill(adapter, PromptLayout([Segment(ids[:45])]), 45)
+    pc.insert(ids[:45], warm.cache)
+    assert len(pc) == 2 and pc.match(ids) == 32  # full blocks only: 45 -> 32
+    got = prefix_prefill(adapter, layout, pc, layout.total + 4)
+    ref, _ = hf_forward(model, ids)
+    assert got.computed_tokens == layout.total - 32
+    assert_close(ref[-1], got.logits, TOL, "prefix hit")
+    # Decoding continues from the spliced cache exactly like from a full prefill.
+    full = full_prefill(adapter, layout, layout.total + 4)
+    assert_close(extend(adapter, full.cache, [5, 6]), extend(adapter, got.cache, [5, 6]), TOL, "decode")
+
+
+def test_prefix_cache_always_recomputes_the_last_token_and_checks_tokens():
+    pc = PrefixCache(block_size=4)
+    ids = torch.arange(8)
+    cache = type("C", (), {})()
+    cache.keys = torch.randn(2, 8, 1, 2)
+    cache.values = torch.randn(2, 8, 1, 2)
+    cache.length = 8
+    pc.insert(ids, cache)
+    assert pc.match(ids) == 4              # a fully cached 8-token prompt still computes its last block
+    assert pc.match(torch.arange(9)) == 8
+    other = torch.arange(9)
+    other[1] = 99
+    assert pc.match(other) == 0            # the first block differs: nothing after it may match
+    # A forged hash hit with different tokens is refused by the token comparison.
+    key = next(iter(pc._blocks))
+    pc._blocks[key].token_ids = torch.tensor([7, 7, 7, 7])
+    assert pc.match(torch.arange(9)) == 0
+
+
+def test_prefix_cache_evicts_least_recently_used():
+    pc = PrefixCache(block_size=2, max_blocks=2)
+    cache = type("C", (), {})()
+    cache.keys, cache.values, cache.length = torch.zeros(1, 6, 1, 1), torch.zeros(1, 6, 1, 1), 6
+    pc.insert(torch.arange(6), cache)
+    assert len(pc) == 2 and pc.match(torch.arange(7)) == 0  # the first block was evicted
+
+
+# ---- APE -------------------------------------------------------------------------------------
+
+
+def test_ape_attention_without_temperature_or_scale_is_plain_causal_attention():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, h, 8, generator=g) for n, h in ((3, 4), (10, 2), (10, 2)))
+    q_pos = torch.tensor([7, 8, 9])
+    key_pos = torch.arange(10)
+    ctx = torch.zeros(10, dtype=torch.bool)
+    ctx[2:6] = True
+    got = ape_attention(q, k, v, q_pos, key_pos, ctx, 0.3, None, APEConfig(1.0, 1.0))
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    z = torch.einsum("thd,rhd->htr", q, kk) * 0.3
+    z = z.masked_fill(key_pos[None, :] > q_pos[:, None], float("-inf"))
+    ref = torch.einsum("htr,rhd->thd", torch.softmax(z, -1), vv)
+    assert_close(ref, got, 1e-5, "T=S=1")
+
+
+def test_ape_temperature_and_scale_follow_the_formula():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(1, 1, 4, generator=g), torch.randn(5, 1, 4, generator=g), torch.randn(5, 1, 4, generator=g)
+    ctx = torch.tensor([False, True, True, True, False])
+    t, s = 0.5, 0.8
+    got = ape_attention(q, k, v, torch.tensor([9]), torch.arange(5), ctx, 1.0, None, APEConfig(t, s))
+    z = (k[:, 0] @ q[0, 0])
+    own, c = z[~ctx], z[ctx]
+    mass_own = torch.logsumexp(own, 0)
+    mass_ctx = t * torch.logsumexp(c / t, 0) + math.log(s)
+    w = torch.softmax(torch.stack([mass_own, mass_ctx]), 0)
+    ref = w[0] * torch.softmax(own, 0) @ v[~ctx, 0] + w[1] * torch.softmax(c / t, 0) @ v[ctx, 0]
+    assert_close(ref, got[0, 0], 1e-5, "APE merge")
+
+
+def test_ape_with_one_chunk_and_neutral_settings_equals_full_reuse(llama):
+    _, adapter = llama
+    layout, _ = build_layout(adapter, [(rand_ids(12, 0), False), (rand_ids(50, 1), True), (rand_ids(9, 2), False)])
+    ref = selective_prefill(adapter, layout, none_selected(layout), layout.total + 8)
+    got = ape_prefill(adapter, layout, layout.total + 8, APEConfig(1.0, 1.0))
+    assert_close(ref.logits, got.logits, TOL, "prefill")
+    sampling = SamplingConfig(max_new_tokens=6)
+    assert generate_tokens(partial(extend, adapter, ref.cache), ref.logits, sampling, set()) == \
+        generate_tokens(partial(got.extend, adapter), got.logits, sampling, set())
+
+
+def test_ape_places_chunks_in_parallel_and_decodes_consistently(llama):
+    _, adapter = llama
+    layout, _ = build_layout(adapter, _parts(prefix=12, chunks=(40, 33, 50), question=9))
+    got = ape_prefill(adapter, layout, layout.total + 8)
+    starts = [int(got.positions[s]) for s, _ in layout.chunk_segments]
+    assert starts == [12, 12, 12]
+    assert int(got.positions[layout.total - 1]) == 12 + 50 + 8  # question after the longest chunk
+    forced = [5, 9, 11, 3]
+    together = got.extend(adapter, forced)
+    got.cache.truncate(layout.total)
+    one_by_one = torch.cat([got.extend(adapter, [t]) for t in forced])
+    assert_close(together, one_by_one, TOL, "extend")
