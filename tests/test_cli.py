@@ -1,4 +1,4 @@
-"""The command line as a user runs it (`cachetune ask`, `cachetune bench`) on the bundled model."""
+"""The command line as a user runs it (`ask`, `bench`, `eval`, `analyze`) on the bundled model."""
 
 from __future__ import annotations
 
@@ -26,26 +26,79 @@ def qa_file(tmp_path):
     return path
 
 
+def _rows(report):
+    (dataset,) = report["datasets"].values()
+    return {r["method"]: r for r in dataset["results"]}
+
+
 def test_bench_writes_report_with_required_fields(qa_file, tmp_path, capsys):
     out = tmp_path / "report.json"
     code = main(["bench", "--data", str(qa_file), "--methods", "full_reuse,cachetune", "--ratio", "1.0",
                  "--max-new-tokens", "6", "--json", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
-    assert report["model"] == "smollm2-135m" and report["n_examples"] == 1
-    rows = {r["method"]: r for r in report["results"]}
+    assert report["model"] == "smollm2-135m" and report["datasets"]["qa"]["n_examples"] == 1
+    rows = _rows(report)
     assert set(rows) == {"full_recompute", "full_reuse", "cachetune"}  # the reference is always added
     for row in rows.values():
-        for key in ("ratio", "ttft_ms_median", "speedup_vs_full", "kl_to_full", "top1_agree",
-                    "answer_match_full", "f1"):
+        for key in ("quality", "ttft_ms_median", "ttft_ms_p95", "speedup_vs_full", "kl_to_full", "top1_agree",
+                    "answer_match_full", "recomputed_share"):
             assert isinstance(row[key], float)
     assert rows["full_recompute"]["speedup_vs_full"] == 1.0 and rows["full_recompute"]["kl_to_full"] == 0.0
     # Recomputing every chunk token is exact: it must agree with full recompute everywhere.
     assert rows["cachetune"]["kl_to_full"] < 1e-5
     assert rows["cachetune"]["top1_agree"] == 1.0 and rows["cachetune"]["answer_match_full"] == 1.0
-    assert rows["full_reuse"]["ratio"] == 0.0 and rows["full_reuse"]["recomputed_share"] == 0.0
+    assert rows["full_reuse"]["recomputed_share"] == 0.0
     assert "| cachetune |" in out.with_suffix(".md").read_text()
     assert "| full_reuse |" in capsys.readouterr().out
+
+
+def test_eval_runs_every_method_and_exact_ones_match_full(qa_file, tmp_path):
+    out = tmp_path / "eval.json"
+    plots = tmp_path / "plots"
+    code = main(["eval", "--data", str(qa_file), "--methods", "all", "--ratio", "1.0", "--max-new-tokens", "4",
+                 "--json", str(out), "--plots", str(plots)])
+    assert code == 0
+    rows = _rows(json.loads(out.read_text()))
+    from cachetune.engine.engine import METHODS
+
+    assert set(rows) == set(METHODS)
+    # Lossless or fully recomputing at r = 1: the same next-token distribution as full recompute.
+    for method in ("prefix", "cachetune", "cacheblend", "prophetkv", "random", "l2", "highfreq", "lf_only"):
+        assert rows[method]["kl_to_full"] < 1e-4, method
+        assert rows[method]["answer_match_full"] == 1.0, method
+    assert rows["prefix"]["recomputed_share"] < 1.0  # the first document came from the prefix cache
+    assert rows["epic"]["recomputed_share"] < 1.0 and rows["ape"]["recomputed_share"] == 0.0
+    assert (plots / "quality_vs_ttft.png").stat().st_size > 0 and (plots / "fidelity_vs_ttft.png").exists()
+
+
+def test_eval_resumes_from_its_progress_file(qa_file, tmp_path):
+    out = tmp_path / "eval.json"
+    args = ["eval", "--data", str(qa_file), "--methods", "full_reuse", "--max-new-tokens", "3", "--json", str(out)]
+    assert main(args) == 0
+    first = json.loads(out.read_text())["examples"]
+    assert main(args) == 0  # nothing left to run: the recorded example is reused as is
+    assert json.loads(out.read_text())["examples"] == first
+    assert main([*args, "--fresh"]) == 0
+    assert json.loads(out.read_text())["examples"][0]["methods"]["full_reuse"]["ttft_ms"] != \
+        first[0]["methods"]["full_reuse"]["ttft_ms"]
+    # A progress file written with other settings is refused, not mixed in.
+    assert main([*args[:-4], "--max-new-tokens", "5", "--json", str(out)]) == 2
+
+
+@pytest.mark.parametrize("analysis", ["drift", "spectrum", "attention", "sweep", "robustness"])
+def test_analyze_writes_json_table_and_plot(qa_file, tmp_path, analysis):
+    code = main(["analyze", analysis, "--data", str(qa_file), "--limit", "1", "--max-new-tokens", "2",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    report = json.loads((tmp_path / f"{analysis}.json").read_text())
+    assert report["model"] == "smollm2-135m"
+    assert (tmp_path / f"{analysis}.png").stat().st_size > 0 and (tmp_path / f"{analysis}.md").read_text()
+    if analysis == "robustness":
+        assert len(report["datasets"]) == 4
+    if analysis == "sweep":
+        labels = {r["method"] for r in report["datasets"]["qa"]["results"]}
+        assert {"r=0.05", "r=0.4", "alpha=0.1", "alpha=1"} <= labels
 
 
 def test_ask_prints_answer_and_ttft(tmp_path, capsys):

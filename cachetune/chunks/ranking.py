@@ -108,9 +108,13 @@ RANKERS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], t
 
 def rank_tokens(name: str, keys: torch.Tensor, values: torch.Tensor, token_ids: torch.Tensor,
                 alpha: float = 0.5) -> torch.Tensor:
-    """The ranking of one chunk by the named ranker (see RANKERS)."""
+    """The ranking of one chunk by the named ranker (see RANKERS).
+
+    A name may carry its own cutoff, "lf:0.3", which overrides `alpha` (the alpha sweep uses it)."""
+    base, _, own_alpha = name.partition(":")
     try:
-        ranker = RANKERS[name]
-    except KeyError:
-        raise ValueError(f"unknown ranker {name!r}; known: {', '.join(RANKERS)}") from None
+        ranker = RANKERS[base]
+        alpha = float(own_alpha) if own_alpha else alpha
+    except (KeyError, ValueError):
+        raise ValueError(f"unknown ranker {name!r}; known: {', '.join(RANKERS)} (optionally 'name:alpha')") from None
     return ranker(keys, values, token_ids, alpha)

@@ -68,12 +68,14 @@ def generate_tokens(
     first_logits: torch.Tensor,
     cfg: SamplingConfig,
     stop_ids: set[int],
+    stop_when: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
     """Sample from `first_logits`, then decode one token at a time until a stop id or the budget.
 
     step(ids) appends tokens to the request's cache and returns their logits [len, vocab] (e.g.
     `functools.partial(extend, adapter, cache)` or a PrefillResult's method-aware `extend`).
-    Returns the generated ids without the stop token."""
+    `stop_when(ids)` ends generation early once it returns True (e.g. a complete first line when
+    only the first line is scored). Returns the generated ids without the stop token."""
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
     out: list[int] = []
     logits = first_logits
@@ -82,7 +84,7 @@ def generate_tokens(
         if token in stop_ids:
             break
         out.append(token)
-        if len(out) >= cfg.max_new_tokens:
+        if len(out) >= cfg.max_new_tokens or (stop_when is not None and stop_when(out)):
             break
         logits = step([token])[-1]
     return out

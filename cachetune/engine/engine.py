@@ -25,11 +25,11 @@ from cachetune.engine.decode import SamplingConfig, generate_tokens
 from cachetune.engine.layout import PromptLayout, Segment
 from cachetune.engine.prefill import PrefillResult, full_prefill, prefix_prefill, pruned_prefill, selective_prefill
 from cachetune.engine.prefix_cache import PrefixCache
-from cachetune.engine.prompt import DEFAULT_SYSTEM, PromptTemplate
+from cachetune.engine.prompt import DEFAULT_SYSTEM, QUESTION_LABEL, PromptTemplate
 from cachetune.engine.selfcheck import ReuseRefusedError, run_self_check
 from cachetune.model.adapter import ModelAdapter
 from cachetune.model.loader import LoadedModel, default_cache_dir, load_model, model_fingerprint
-from cachetune.selectors import SELECTORS, SelectionRequest, get_selector
+from cachetune.selectors import SELECTORS, SelectionRequest, TokenSelector, get_selector
 from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
 from cachetune.store.disk import DiskStore
 from cachetune.store.memory import MemoryStore
@@ -154,16 +154,22 @@ class Engine:
         return (layout.total // self.prefix_cache.block_size) * self.prefix_cache.block_size
 
     # ---- requests -----------------------------------------------------------------------------
-    def layout(self, chunks: Sequence[str], question: str, system: str | None = None) -> PromptLayout:
-        """Template start + system prompt, the cached chunks in the given order, then the question."""
-        before, after = self.template.segments(DEFAULT_SYSTEM if system is None else system, question)
+    def layout(self, chunks: Sequence[str], question: str, system: str | None = None,
+               label: str = QUESTION_LABEL, preamble: torch.Tensor | None = None) -> PromptLayout:
+        """Template start + system prompt, the cached chunks in the given order, then the question
+        (after `label`; pass "" when `question` is the complete text that follows the documents).
+        `preamble`: token ids of uncached text placed between the system prompt and the chunks."""
+        before, after = self.template.segments(DEFAULT_SYSTEM if system is None else system, question, label)
+        if preamble is not None and preamble.numel():
+            before = torch.cat([before, preamble])
         stored = [self.chunk(cid) for cid in chunks]
         return PromptLayout([Segment(before), *(Segment(c.token_ids, c) for c in stored), Segment(after)])
 
-    def prefill(self, layout: PromptLayout, method: str = "cachetune", ratio: float = 0.15,
+    def prefill(self, layout: PromptLayout, method: str | TokenSelector = "cachetune", ratio: float = 0.15,
                 extra_capacity: int = 64) -> PrefillResult:
-        """Fill the KV cache for `layout` with `method`; `extra_capacity` rows are reserved for decoding."""
-        if method not in METHODS:
+        """Fill the KV cache for `layout` with `method` (a name in METHODS or a TokenSelector instance);
+        `extra_capacity` rows are reserved for decoding."""
+        if isinstance(method, str) and method not in METHODS:
             raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"ratio must be in [0, 1], got {ratio}")
@@ -176,7 +182,7 @@ class Engine:
             raise ReuseRefusedError(self.reuse_error)
         if method == APE:
             return ape_prefill(self.adapter, layout, capacity, self.ape_config)
-        selector = get_selector(method)
+        selector = get_selector(method) if isinstance(method, str) else method
         request = SelectionRequest(layout, self.adapter, self.ranking)
         selections = selector.select(request, ratio)
         if selector.drops_unselected:
@@ -196,9 +202,11 @@ class Engine:
         chunks: Sequence[str],
         question: str,
         system: str | None = None,
-        method: str = "cachetune",
+        method: str | TokenSelector = "cachetune",
         ratio: float = 0.15,
         extra_capacity: int = 64,
+        label: str = QUESTION_LABEL,
+        preamble: torch.Tensor | None = None,
     ) -> tuple[PrefillResult, float]:
         """Everything a request pays before its first token: layout, selection, loading, prefill.
 
@@ -206,7 +214,7 @@ class Engine:
         is included; sampling costs the same for every method).
         """
         start = time.perf_counter()
-        layout = self.layout(chunks, question, system)
+        layout = self.layout(chunks, question, system, label, preamble)
         result = self.prefill(layout, method, ratio, extra_capacity)
         torch.argmax(result.logits)
         return result, (time.perf_counter() - start) * 1000

@@ -17,6 +17,7 @@ DEFAULT_SYSTEM = (
     "Answer the question based on the given passages. "
     "Only give me the answer and do not output any other words."
 )
+QUESTION_LABEL = "Question: "
 _PLACEHOLDER = "\u2063CACHETUNE_DOCUMENTS\u2063"
 
 
@@ -24,11 +25,12 @@ _PLACEHOLDER = "\u2063CACHETUNE_DOCUMENTS\u2063"
 class PromptTemplate:
     tokenizer: object
 
-    def split(self, system: str, question: str) -> tuple[str, str]:
-        """Text before and after the documents."""
-        question_text = f"Question: {question}"
+    def split(self, system: str, question: str, label: str = QUESTION_LABEL) -> tuple[str, str]:
+        """Text before and after the documents; `label` goes before the question ("" for a prompt
+        whose question text is already complete, e.g. a LongBench query or a summary instruction)."""
+        question_text = f"{label}{question}"
         if not getattr(self.tokenizer, "chat_template", None):
-            return f"{system}\n\n", f"{question_text}\nAnswer:"
+            return f"{system}\n\n", f"{question_text}\nAnswer:" if label else question_text
         messages = [
             {"role": "system", "content": system},
             {"role": "user", "content": _PLACEHOLDER + question_text},
@@ -44,6 +46,6 @@ class PromptTemplate:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return torch.tensor(ids, dtype=torch.int64)
 
-    def segments(self, system: str, question: str) -> tuple[torch.Tensor, torch.Tensor]:
-        before, after = self.split(system, question)
+    def segments(self, system: str, question: str, label: str = QUESTION_LABEL) -> tuple[torch.Tensor, torch.Tensor]:
+        before, after = self.split(system, question, label)
         return self.encode(before), self.encode(after)

@@ -44,6 +44,9 @@ class QAExample:
     question: str  # uncached text after the documents (for summarization: the instruction)
     answers: list[str]  # gold answers / reference summaries, flattened; score against any of them
     task: str = "qa"  # "qa" (token F1) or "summarization" (ROUGE-L)
+    # True when `question` is the complete text after the documents (LongBench prompts, summary
+    # instructions) and goes into the prompt as is; False for a bare question ("Question: " added).
+    verbatim: bool = False
 
 
 Loader = Callable[..., list[QAExample]]  # (path, limit=None, name=None) -> examples
@@ -149,7 +152,7 @@ def load_longbench(path: str | Path, limit: int | None = None, name: str | None 
         answers = _flatten_answers(row["answers"])
         if answers is None:
             raise bad("'answers' must be a non-empty list of strings")
-        examples.append(QAExample(f"{prefix}-{i}", documents, question, answers, task))
+        examples.append(QAExample(f"{prefix}-{i}", documents, question, answers, task, verbatim=True))
     return examples
 
 
@@ -179,7 +182,7 @@ def load_samsum(
         dialogue, summary = _samsum_row(row, i, path)
         picked = random.Random(i).sample(chunks, demos)
         question = f"{SAMSUM_INSTRUCTION}\n\nDialogue: {dialogue}\nSummary:"
-        examples.append(QAExample(f"{prefix}-{i}", picked, question, [summary], "summarization"))
+        examples.append(QAExample(f"{prefix}-{i}", picked, question, [summary], "summarization", verbatim=True))
     return examples
 
 
@@ -230,7 +233,9 @@ def load_longbench_prompts(path: str | Path, limit: int | None = None, name: str
         answers = _flatten_answers(_literal_gold(item["gold"]))
         if answers is None:
             raise bad("'gold' must be a list of strings, or its Python repr")
-        examples.append(QAExample(f"{prefix}-{key}", documents, prompt[end + 2 :], answers, layout.task))
+        examples.append(
+            QAExample(f"{prefix}-{key}", documents, prompt[end + 2 :], answers, layout.task, verbatim=True)
+        )
     return examples
 
 

@@ -33,7 +33,7 @@ from cachetune.chunks.ranking import RANKERS, lf_scores, rank_tokens, ranking_fr
 from cachetune.engine.forward import forward_active
 from cachetune.engine.kv_cache import KVCache
 from cachetune.engine.layout import PromptLayout
-from cachetune.eval.bench import DOCUMENT_SEPARATOR
+from cachetune.eval.harness import DOCUMENT_SEPARATOR
 from cachetune.eval.datasets import QAExample
 from cachetune.model.adapter import ModelAdapter
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cachetune.eval.bench import DOCUMENT_SEPARATOR
+from cachetune.eval.harness import DOCUMENT_SEPARATOR
 from cachetune.eval.datasets import QAExample
 
 LOW_SHARE = 0.2

@@ -30,4 +30,4 @@ def get_selector(name: str) -> TokenSelector:
         raise ValueError(f"unknown selector {name!r}; known: {', '.join(SELECTORS)}") from None
 
 
-__all__ = ["SELECTORS", "SelectionRequest", "TokenSelector", "get_selector", "split_global_top"]
+__all__ = ["SELECTORS", "RankedSelector", "SelectionRequest", "TokenSelector", "get_selector", "split_global_top"]

@@ -10,8 +10,39 @@ from __future__ import annotations
 
 import torch
 
+from cachetune.engine.layout import PromptLayout
 from cachetune.engine.prefill import selective_prefill
+from cachetune.model.adapter import ModelAdapter
 from cachetune.selectors.base import SelectionRequest, TokenSelector, split_global_top
+
+
+class QuestionAttention:
+    """A forward observer: per layer, the question's attention over every key position.
+
+    The question is the layout's last segment (it ends the prompt, so its queries are the last
+    active rows). per_layer[l] is [total] float32: softmax attention averaged over heads and question
+    positions (causal; each row sums to 1, so the vector does too).
+    """
+
+    def __init__(self, adapter: ModelAdapter, layout: PromptLayout):
+        self.adapter = adapter
+        self.q_pos = torch.arange(layout.starts[-1], layout.total, device=adapter.device)
+        self.total = layout.total
+        self.per_layer: list[torch.Tensor] = []
+
+    def __call__(self, layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
+        groups = q.shape[1] // keys.shape[1]
+        qq = q[-self.q_pos.numel():].float()                         # [Tq, H, D]
+        k = keys.float().repeat_interleave(groups, dim=1)            # [end, H, D]
+        logits = torch.einsum("thd,shd->hts", qq, k) * self.adapter.layer_info[layer].scale
+        causal = torch.arange(keys.shape[0], device=k.device)[None, :] > self.q_pos[:, None]
+        probs = torch.softmax(logits.masked_fill(causal, float("-inf")), dim=-1)
+        row = torch.zeros(self.total, device=k.device)
+        row[: keys.shape[0]] = probs.mean(dim=(0, 1))
+        self.per_layer.append(row)
+
+    def mean(self) -> torch.Tensor:
+        return torch.stack(self.per_layer).mean(dim=0)
 
 
 class ProphetKVSelector(TokenSelector):
@@ -20,22 +51,9 @@ class ProphetKVSelector(TokenSelector):
     @torch.no_grad()
     def select(self, request: SelectionRequest, ratio: float) -> list[torch.Tensor]:
         adapter, layout = request.adapter, request.layout
-        device = adapter.device
-        q_start = layout.starts[-1]                      # the last segment: the question, uncached
-        q_pos = torch.arange(q_start, layout.total, device=device)
-        attention = torch.zeros(layout.total, device=device)
-        groups = adapter.num_heads // adapter.num_kv_heads
-
-        def observe(layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
-            # q: [T_active, H, D]; the question's rows are the last ones (it ends the prompt).
-            qq = q[-q_pos.numel():].float()
-            k = keys.float().repeat_interleave(groups, dim=1)       # [end, H, D]
-            logits = torch.einsum("thd,shd->hts", qq, k) * adapter.layer_info[layer].scale
-            causal = torch.arange(keys.shape[0], device=device)[None, :] > q_pos[:, None]
-            probs = torch.softmax(logits.masked_fill(causal, float("-inf")), dim=-1)
-            attention[: keys.shape[0]] += probs.mean(dim=(0, 1))
-
+        observer = QuestionAttention(adapter, layout)
         none = [torch.empty(0, dtype=torch.int64) for _ in layout.chunk_segments]
-        selective_prefill(adapter, layout, none, layout.total, observe=observe)
+        selective_prefill(adapter, layout, none, layout.total, observe=observer)
+        attention = observer.mean()
         scores = [attention[start:start + seg.chunk.num_tokens] for start, seg in layout.chunk_segments]
         return split_global_top(scores, ratio)

@@ -1,0 +1,256 @@
+"""`cachetune eval`: every method on the same examples, quality and TTFT measured in one run.
+
+Per example, untimed one-off work comes first: each document is cached as a chunk, offline rankings
+the methods read are computed, and the prefix cache is seeded with the system prompt followed by
+each document (what a vLLM server holds after serving each document once as a prompt's first
+document). Then every method serves the request, interleaved: full recompute first, since its
+greedy answer is the reference every other method is teacher-forced on (KL(full || method), top-1
+agreement), then the rest, each decoding its own greedy answer for answer match and F1 / ROUGE-L.
+Extra timing passes (`repeats`) rotate the method order so no method always runs first.
+
+Each finished example is appended to a JSONL progress file, so an interrupted run resumes where it
+stopped (the run's settings are checked first) and `limit` can grow a run step by step.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from cachetune.engine.decode import SamplingConfig, generate_tokens
+from cachetune.engine.engine import FULL_RECOMPUTE, METHODS, PREFIX, Engine
+from cachetune.engine.prompt import DEFAULT_SYSTEM, QUESTION_LABEL
+from cachetune.eval.datasets import QAExample
+from cachetune.eval.metrics import kl_to_reference, score_answer, top1_agreement
+from cachetune.selectors import SELECTORS, TokenSelector, get_selector
+
+DOCUMENT_SEPARATOR = "\n\n"  # appended to every document so chunks read as separate passages
+TASK_SYSTEM = {
+    "qa": DEFAULT_SYSTEM,
+    "summarization": "Follow the instruction after the given texts. Only give the summary.",
+}
+TASK_MAX_NEW_TOKENS = {"qa": 32, "summarization": 128}
+
+
+@dataclass
+class EvalConfig:
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    ratio: float = 0.15
+    max_new_tokens: int | None = None  # None: per task (TASK_MAX_NEW_TOKENS)
+    repeats: int = 0                    # extra timing-only passes per example, method order rotated
+    warmup: bool = True                 # one untimed request per method before the first measurement
+    system: str | None = None           # None: per task (TASK_SYSTEM)
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], got {self.ratio}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        # Every fidelity metric and every speedup is relative to full recompute, which runs first.
+        self.methods = [FULL_RECOMPUTE] + [m for m in dict.fromkeys(self.methods) if m != FULL_RECOMPUTE]
+
+    def variants(self) -> list["Variant"]:
+        return [Variant(m, m, self.ratio) for m in self.methods]
+
+    def run_key(self, engine: Engine) -> dict:
+        """What must match for records of two runs to be merged (resume)."""
+        return {"model": engine.name, "dtype": engine.config.dtype, "ratio": self.ratio,
+                "max_new_tokens": self.max_new_tokens, "system": self.system}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to serve a request: a method (name or selector instance) at a ratio, under a label."""
+
+    label: str
+    method: str | TokenSelector
+    ratio: float
+
+
+@dataclass
+class _Request:
+    engine: Engine
+    example: QAExample
+    chunk_ids: list[str]
+    system: str
+    label: str
+    sampling: SamplingConfig
+    preamble: torch.Tensor | None = None  # uncached text before the chunks (robustness analysis)
+
+    def start(self, variant: Variant, extra: int):
+        return self.engine.start_request(self.chunk_ids, self.example.question, self.system, variant.method,
+                                         variant.ratio, extra, self.label, self.preamble)
+
+    def decode(self, result) -> list[int]:
+        stop_when = self._first_line_done if self.example.task == "qa" else None
+        return generate_tokens(partial(result.extend, self.engine.adapter), result.logits, self.sampling,
+                               self.engine.stop_ids(), stop_when)
+
+    def _first_line_done(self, ids: list[int]) -> bool:
+        # QA is scored on the first non-empty line only: stop decoding once that line has ended.
+        return "\n" in self.engine.tokenizer.decode(ids, skip_special_tokens=True).lstrip()
+
+
+def prepare(engine: Engine, example: QAExample, variants: list[Variant], system: str | None = None,
+            max_new_tokens: int | None = None) -> _Request:
+    """The untimed one-off work for an example: chunks cached, offline rankings, prefix cache seeded."""
+    system = system if system is not None else TASK_SYSTEM[example.task]
+    label = "" if example.verbatim else QUESTION_LABEL
+    ids = [engine.cache_chunk(doc + DOCUMENT_SEPARATOR) for doc in example.documents]
+    selectors = [get_selector(v.method) if v.method in SELECTORS else v.method for v in variants
+                 if isinstance(v.method, TokenSelector) or v.method in SELECTORS]
+    rankers = {s.ranker for s in selectors} - {None}
+    for cid in ids:
+        for ranker in rankers:
+            engine.ranking(engine.chunk(cid), ranker)
+    if any(v.method == PREFIX for v in variants):
+        before = engine.layout([], example.question, system, label).segments[0].token_ids
+        for cid in ids:
+            engine.cache_prefix(torch.cat([before, engine.chunk(cid).token_ids]))
+    budget = max_new_tokens or TASK_MAX_NEW_TOKENS[example.task]
+    return _Request(engine, example, ids, system, label, SamplingConfig(max_new_tokens=budget))
+
+
+def _teacher_forced_logits(engine: Engine, result, answer: list[int]) -> torch.Tensor:
+    """Next-token logits at the prompt end and after each answer token: [len(answer) + 1, vocab]."""
+    first = result.logits.unsqueeze(0)
+    if not answer:
+        return first
+    rest = result.extend(engine.adapter, answer)
+    result.cache.truncate(result.prompt_tokens)
+    return torch.cat([first, rest])
+
+
+def run_example(engine: Engine, req: _Request, variants: list[Variant], dataset: str, repeats: int = 0) -> dict:
+    """Serve one prepared request with every variant (the first must be full recompute: the reference)."""
+    if variants[0].method != FULL_RECOMPUTE:
+        raise ValueError("the first variant must be full recompute (every metric is relative to it)")
+    example = req.example
+    chunk_tokens = sum(engine.chunk(c).num_tokens for c in req.chunk_ids)
+    record: dict = {"id": example.id, "dataset": dataset, "task": example.task, "methods": {}}
+    ref_answer: list[int] = []
+    ref_logits = None
+    for variant in variants:
+        result, ttft = req.start(variant, req.sampling.max_new_tokens + 1)
+        if variant.method == FULL_RECOMPUTE:
+            ref_answer = answer = req.decode(result)
+            result.cache.truncate(result.prompt_tokens)
+            ref_logits = _teacher_forced_logits(engine, result, ref_answer)
+            record["prompt_tokens"] = result.prompt_tokens
+            kl, top1 = 0.0, [1.0] * ref_logits.shape[0]
+        else:
+            logits = _teacher_forced_logits(engine, result, ref_answer)
+            kl = float(kl_to_reference(ref_logits, logits).mean())
+            top1 = top1_agreement(ref_logits, logits).float().tolist()
+            answer = req.decode(result)
+        text = engine.tokenizer.decode(answer, skip_special_tokens=True)
+        record["methods"][variant.label] = {
+            "ttft_ms": [ttft],
+            "kl": kl,
+            "top1": top1,
+            "match": float(answer == ref_answer),
+            "score": score_answer(example.task, text, example.answers),
+            "recomputed_share": result.recomputed_chunk_tokens / max(chunk_tokens, 1),
+            "answer": text,
+        }
+    for r in range(repeats):
+        order = variants[r + 1:] + variants[: r + 1]
+        for variant in order:
+            _, ttft = req.start(variant, 1)
+            record["methods"][variant.label]["ttft_ms"].append(ttft)
+    return record
+
+
+class ProgressLog:
+    """Append-only JSONL of finished examples, keyed by (dataset, id) and tied to one run's settings."""
+
+    def __init__(self, path: str | Path, key: dict):
+        self.path = Path(path)
+        self.key = key
+        self.records: dict[tuple[str, str], dict] = {}
+        if self.path.exists():
+            for line_no, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    # A line cut short by an interrupted write: drop it, the example will run again.
+                    continue
+                if row.get("key") != key:
+                    raise ValueError(f"{self.path}: line {line_no} was written by another run {row.get('key')} "
+                                     f"(this run: {key}); use another --json path or delete the file")
+                self.records[(row["record"]["dataset"], row["record"]["id"])] = row["record"]
+
+    def done(self, dataset: str, example_id: str) -> dict | None:
+        return self.records.get((dataset, example_id))
+
+    def add(self, record: dict) -> None:
+        self.records[(record["dataset"], record["id"])] = record
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps({"key": self.key, "record": record}) + "\n")
+            f.flush()
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How a request is assembled from an example (the paper's Figure 1c varies this)."""
+
+    name: str = "default"
+    shuffle: bool = False       # chunks in a random order (seeded by the example id)
+    preamble_tokens: int = 0    # uncached unrelated text (another example's documents) before the chunks
+
+    def apply(self, req: _Request, filler: QAExample) -> None:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(sum(map(ord, req.example.id)))
+            req.chunk_ids = [req.chunk_ids[i] for i in torch.randperm(len(req.chunk_ids), generator=g)]
+        if self.preamble_tokens:
+            text = DOCUMENT_SEPARATOR.join(filler.documents)
+            req.preamble = req.engine.tokenize(text)[: self.preamble_tokens]
+
+
+def run_eval(engine: Engine, datasets: dict[str, list[QAExample]], cfg: EvalConfig,
+             progress_path: str | Path | None = None, progress: bool = True,
+             variants: list[Variant] | None = None, settings: tuple[Setting, ...] = (Setting(),)) -> list[dict]:
+    """Run every dataset's examples (resuming from `progress_path`); returns all records in order.
+
+    `variants` default to cfg's methods at cfg.ratio. Each non-default setting is recorded as dataset
+    "<name>/<setting>". A resumed example is kept when it has every variant, and rerun otherwise."""
+    variants = variants or cfg.variants()
+    log = ProgressLog(progress_path, cfg.run_key(engine)) if progress_path else None
+    todo = [(name, exs, i, setting) for name, exs in datasets.items() for i in range(len(exs)) for setting in settings]
+    records: list[dict] = []
+    warm = not cfg.warmup
+    bar = tqdm(todo, desc="eval", disable=not progress, unit="request")
+    for name, exs, i, setting in bar:
+        ex = exs[i]
+        label = name if setting.name == "default" else f"{name}/{setting.name}"
+        bar.set_postfix_str(f"{label} {ex.id}")
+        old = log.done(label, ex.id) if log else None
+        if old is not None and all(v.label in old["methods"] for v in variants):
+            records.append(old)
+            continue
+        req = prepare(engine, ex, variants, cfg.system, cfg.max_new_tokens)
+        setting.apply(req, exs[(i + 1) % len(exs)])
+        if not warm:
+            for variant in variants:  # untimed: first-call allocations and thread start-up
+                req.start(variant, 1)
+            warm = True
+        record = run_example(engine, req, variants, label, cfg.repeats)
+        if log:
+            log.add(record)
+        records.append(record)
+    return records
+
+
+def config_dict(cfg: EvalConfig) -> dict:
+    return asdict(cfg)

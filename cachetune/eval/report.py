@@ -1,0 +1,131 @@
+"""Summaries of eval records: per dataset and method, as JSON rows, markdown tables and plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+from cachetune.engine.engine import FULL_RECOMPUTE
+from cachetune.eval.metrics import summarize
+
+METRIC_NAME = {"qa": "f1", "summarization": "rougeL"}
+COLUMNS = ["method", "quality", "quality_vs_full", "kl_to_full", "top1_agree", "answer_match_full",
+           "ttft_ms_median", "ttft_ms_p95", "speedup_vs_full", "recomputed_share"]
+
+
+def summarize_records(records: list[dict], methods: list[str]) -> dict[str, dict]:
+    """dataset -> {"task", "metric", "n_examples", "mean_prompt_tokens", "results": [row per method]}.
+
+    quality: mean F1 (QA) or ROUGE-L (summarization) against the gold answers; kl_to_full: mean over
+    examples of the mean next-token KL(full || method) along full recompute's answer; top1_agree: over
+    all those positions; ttft: median and p95 over every timed request; speedup_vs_full: median TTFT of
+    full recompute / median TTFT of the method, both from the same run.
+    """
+    by_dataset: dict[str, list[dict]] = {}
+    for rec in records:
+        by_dataset.setdefault(rec["dataset"], []).append(rec)
+    out = {}
+    for name, recs in by_dataset.items():
+        task = recs[0]["task"]
+        full = _pooled(recs, FULL_RECOMPUTE, "ttft_ms")
+        full_median = statistics.median(full)
+        full_quality = statistics.fmean(r["methods"][FULL_RECOMPUTE]["score"] for r in recs)
+        rows = []
+        for method in methods:
+            if not all(method in r["methods"] for r in recs):
+                continue
+            per = [r["methods"][method] for r in recs]
+            ttft = summarize(_pooled(recs, method, "ttft_ms"))
+            quality = statistics.fmean(p["score"] for p in per)
+            rows.append({
+                "method": method,
+                "quality": quality,
+                "quality_vs_full": quality / full_quality if full_quality else float("nan"),
+                "kl_to_full": statistics.fmean(p["kl"] for p in per),
+                "top1_agree": statistics.fmean(_pooled(recs, method, "top1")),
+                "answer_match_full": statistics.fmean(p["match"] for p in per),
+                "ttft_ms_median": ttft["median"],
+                "ttft_ms_p95": ttft["p95"],
+                "speedup_vs_full": full_median / ttft["median"],
+                "recomputed_share": statistics.fmean(p["recomputed_share"] for p in per),
+            })
+        out[name] = {
+            "task": task,
+            "metric": METRIC_NAME[task],
+            "n_examples": len(recs),
+            "mean_prompt_tokens": statistics.fmean(r.get("prompt_tokens", 0) for r in recs),
+            "results": rows,
+        }
+    return out
+
+
+def _pooled(recs: list[dict], method: str, key: str) -> list[float]:
+    return [x for r in recs for x in r["methods"][method][key]]
+
+
+def format_tables(report: dict) -> str:
+    """Markdown: one table per dataset, one row per method."""
+    head = (f"model {report['model']} ({report['dtype']}, {report['threads']} threads), "
+            f"ratio {report['config']['ratio']}")
+    parts = [head]
+    for name, ds in report["datasets"].items():
+        parts += ["", f"### {name}: {ds['n_examples']} examples, ~{ds['mean_prompt_tokens']:.0f} prompt tokens, "
+                      f"quality = {ds['metric']}", "",
+                  "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        for row in ds["results"]:
+            parts.append("| " + " | ".join(_cell(row[c]) for c in COLUMNS) + " |")
+    return "\n".join(parts)
+
+
+def _cell(value) -> str:
+    if isinstance(value, str):
+        return value
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3f}"
+
+
+def write_json(data: dict, path: str | Path) -> None:
+    """Atomic write: a reader never sees half a report."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+def plot_tradeoff(report: dict, out_dir: str | Path) -> list[Path]:
+    """The paper's Figure 3: quality vs TTFT per dataset, and the same for fidelity (KL to full)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for key, label, fname in [("quality", "quality (F1 / ROUGE-L)", "quality_vs_ttft.png"),
+                              ("kl_to_full", "KL to full recompute (lower is better)", "fidelity_vs_ttft.png")]:
+        names = list(report["datasets"])
+        fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names) + 2, 4.5), squeeze=False)
+        for ax, name in zip(axes[0], names):
+            ds = report["datasets"][name]
+            for i, row in enumerate(ds["results"]):
+                # Fixed colour and marker per method position, so methods read the same in every panel.
+                ax.scatter([row["ttft_ms_median"] / 1000], [row[key]], s=50, label=row["method"],
+                           color=plt.cm.tab20(i % 20), marker="osD^v<>ph*"[i % 10])
+            ax.set_xscale("log")
+            ax.set_xlabel("TTFT median (s, log scale)")
+            ax.set_ylabel(label if key == "kl_to_full" else ds["metric"])
+            ax.set_title(f"{name} ({ds['n_examples']} ex.)")
+            ax.grid(alpha=0.3)
+        axes[0][-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
+        fig.suptitle(f"{report['model']} {report['dtype']}, r={report['config']['ratio']}")
+        fig.tight_layout()
+        path = out_dir / fname
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,89 @@
+"""The eval harness's bookkeeping: config checks, resume log, request settings, summaries (no model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cachetune.eval.datasets import QAExample
+from cachetune.eval.harness import EvalConfig, ProgressLog, Setting, Variant, _Request, run_example
+from cachetune.eval.report import format_tables, summarize_records
+
+
+def test_config_puts_full_recompute_first_once_and_rejects_unknown_methods():
+    cfg = EvalConfig(methods=["cachetune", "full_recompute", "epic", "cachetune"])
+    assert cfg.methods == ["full_recompute", "cachetune", "epic"]
+    assert [v.label for v in cfg.variants()] == cfg.methods
+    with pytest.raises(ValueError, match="unknown method"):
+        EvalConfig(methods=["nope"])
+    with pytest.raises(ValueError, match="ratio"):
+        EvalConfig(ratio=1.5)
+
+
+def test_run_example_needs_full_recompute_as_reference():
+    with pytest.raises(ValueError, match="full recompute"):
+        run_example(None, None, [Variant("cachetune", "cachetune", 0.15)], "d")
+
+
+def _record(dataset, i, ttft_full, ttft_fast, score_fast=0.5):
+    return {"id": f"x-{i}", "dataset": dataset, "task": "qa", "prompt_tokens": 100, "methods": {
+        "full_recompute": {"ttft_ms": ttft_full, "kl": 0.0, "top1": [1.0, 1.0], "match": 1.0, "score": 1.0,
+                           "recomputed_share": 1.0, "answer": "a"},
+        "fast": {"ttft_ms": ttft_fast, "kl": 0.2, "top1": [1.0, 0.0], "match": 0.0, "score": score_fast,
+                 "recomputed_share": 0.15, "answer": "b"},
+    }}
+
+
+def test_progress_log_resumes_skips_torn_lines_and_refuses_other_runs(tmp_path):
+    path = tmp_path / "run.progress.jsonl"
+    key = {"model": "m", "ratio": 0.15}
+    log = ProgressLog(path, key)
+    log.add(_record("d", 0, [10.0], [2.0]))
+    with path.open("a") as f:
+        f.write('{"key": {"model": "m", "ra')  # an interrupted write
+    again = ProgressLog(path, key)
+    assert again.done("d", "x-0")["methods"]["fast"]["ttft_ms"] == [2.0]
+    assert again.done("d", "x-1") is None
+    with pytest.raises(ValueError, match="another run"):
+        ProgressLog(path, {"model": "m", "ratio": 0.3})
+
+
+def test_summary_ratios_percentiles_and_quality_relative_to_full():
+    records = [_record("d", 0, [100.0, 120.0], [10.0, 30.0]), _record("d", 1, [110.0], [20.0], 0.25)]
+    (summary,) = summarize_records(records, ["full_recompute", "fast"]).values()
+    rows = {r["method"]: r for r in summary["results"]}
+    assert rows["full_recompute"]["speedup_vs_full"] == 1.0
+    assert rows["fast"]["speedup_vs_full"] == pytest.approx(110.0 / 20.0)  # medians over all timed requests
+    assert rows["fast"]["ttft_ms_p95"] == pytest.approx(29.0)
+    assert rows["fast"]["quality"] == pytest.approx(0.375)
+    assert rows["fast"]["quality_vs_full"] == pytest.approx(0.375)
+    assert rows["fast"]["top1_agree"] == pytest.approx(0.5)  # pooled over answer positions
+    report = {"model": "m", "dtype": "float32", "threads": 2, "config": {"ratio": 0.15},
+              "datasets": {"d": summary}}
+    table = format_tables(report)
+    assert "| fast | 0.375 |" in table and "### d: 2 examples" in table
+    json.dumps(report)  # JSON-ready
+
+
+class _FakeEngine:
+    def tokenize(self, text):
+        return torch.arange(len(text.split()))
+
+
+def _req(n_chunks=6):
+    ex = QAExample("musique-3", [f"doc {i}" for i in range(n_chunks)], "q?", ["a"])
+    return _Request(_FakeEngine(), ex, [f"c{i}" for i in range(n_chunks)], "sys", "Question: ", None)
+
+
+def test_settings_reorder_deterministically_and_add_a_preamble():
+    filler = QAExample("other", ["word " * 700, "more " * 700], "q", ["a"])
+    a, b = _req(), _req()
+    Setting("shuffled", shuffle=True).apply(a, filler)
+    Setting("shuffled", shuffle=True).apply(b, filler)
+    assert a.chunk_ids == b.chunk_ids and sorted(a.chunk_ids) == sorted(_req().chunk_ids)
+    assert a.chunk_ids != _req().chunk_ids and a.preamble is None
+    c = _req()
+    Setting("pre", preamble_tokens=1024).apply(c, filler)
+    assert c.chunk_ids == _req().chunk_ids and c.preamble.numel() == 1024
