@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from cachetune.chunks.encode import chunk_id
-from cachetune.chunks.ranking import low_frequency, lf_scores, ranking_from_scores, top_share
+from cachetune.chunks.ranking import (
+    high_frequency,
+    lf_scores,
+    low_frequency,
+    rank_tokens,
+    ranking_from_scores,
+    top_share,
+)
 
 FP = "a" * 64
 FP_OTHER = "b" * 64
@@ -237,3 +244,44 @@ def test_chunk_id_is_a_hex_string_usable_as_file_name() -> None:
     cid = chunk_id(FP, torch.arange(10))
     assert len(cid) == 32
     assert int(cid, 16) >= 0  # raises if not hex
+
+
+# ---- the analysis rankers ----------------------------------------------------------------------
+
+
+def _kv(seed: int, n: int = 40):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(3, n, 2, 8, generator=g), torch.randn(3, n, 2, 8, generator=g)
+
+
+def test_high_frequency_is_exactly_what_low_frequency_removes():
+    x = torch.randn(37, 5)
+    assert torch.allclose(low_frequency(x, 0.3) + high_frequency(x, 0.3), x, atol=1e-5)
+
+
+def test_l2_ranker_is_lf_without_a_filter():
+    k, v = _kv(0)
+    ids = torch.arange(40)
+    assert torch.equal(rank_tokens("l2", k, v, ids), rank_tokens("lf", k, v, ids, alpha=1.0))
+    assert not torch.equal(rank_tokens("l2", k, v, ids), rank_tokens("lf", k, v, ids, alpha=0.5))
+
+
+def test_named_alpha_overrides_the_default():
+    k, v = _kv(1)
+    ids = torch.arange(40)
+    assert torch.equal(rank_tokens("lf:0.3", k, v, ids), ranking_from_scores(lf_scores(k, v, 0.3)))
+    assert torch.equal(rank_tokens("highfreq:0.3", k, v, ids), rank_tokens("highfreq", k, v, ids, alpha=0.3))
+    with pytest.raises(ValueError, match="unknown ranker"):
+        rank_tokens("lf:abc", k, v, ids)
+    with pytest.raises(ValueError, match="unknown ranker"):
+        rank_tokens("nope", k, v, ids)
+
+
+def test_random_ranking_is_a_permutation_fixed_by_the_chunk_content():
+    k, v = _kv(2)
+    ids = torch.arange(100, 140)
+    a = rank_tokens("random", k, v, ids)
+    assert torch.equal(torch.sort(a).values, torch.arange(40))
+    assert torch.equal(a, rank_tokens("random", *_kv(3), ids))       # K/V play no part
+    assert not torch.equal(a, rank_tokens("random", k, v, ids + 1))  # other content, other order
+    assert torch.equal(rank_tokens("first", k, v, ids), torch.arange(40))

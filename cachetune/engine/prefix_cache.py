@@ -63,14 +63,14 @@ class PrefixCache:
             found.append(block)
         return found
 
-    def load(self, token_ids: torch.Tensor, cache: KVCache) -> int:
-        """Copy the matched prefix into cache rows [0, m); returns m."""
+    def lookup(self, token_ids: torch.Tensor) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+        """(m, keys, values) of the longest cached prefix: keys/values [layers, m, Hkv, D] or None."""
         blocks = self._matched_blocks(token_ids)
-        for b, block in enumerate(blocks):
-            rows = slice(b * self.block_size, (b + 1) * self.block_size)
-            cache.keys[:, rows] = block.keys.to(cache.keys.device)
-            cache.values[:, rows] = block.values.to(cache.values.device)
-        return len(blocks) * self.block_size
+        if not blocks:
+            return 0, None, None
+        keys = torch.cat([b.keys for b in blocks], dim=1)
+        values = torch.cat([b.values for b in blocks], dim=1)
+        return len(blocks) * self.block_size, keys, values
 
     def insert(self, token_ids: torch.Tensor, cache: KVCache) -> None:
         """Remember the full blocks of a prompt whose KV fills rows [0, len(token_ids)) of `cache`."""
