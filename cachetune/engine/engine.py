@@ -148,10 +148,14 @@ class Engine:
 
         The prefix method reuses these blocks exactly where a later prompt starts with the same
         tokens (what a vLLM server holds after serving that text). Returns the number cached."""
+        full_blocks = (token_ids.numel() // self.prefix_cache.block_size) * self.prefix_cache.block_size
+        # match() never counts the last token, so probe with one more: are all full blocks cached?
+        if self.prefix_cache.match(torch.cat([token_ids, token_ids[:1]])) >= full_blocks:
+            return full_blocks
         layout = PromptLayout([Segment(token_ids)])
         result = full_prefill(self.adapter, layout, layout.total)
         self.prefix_cache.insert(token_ids, result.cache)
-        return (layout.total // self.prefix_cache.block_size) * self.prefix_cache.block_size
+        return full_blocks
 
     # ---- requests -----------------------------------------------------------------------------
     def layout(self, chunks: Sequence[str], question: str, system: str | None = None,

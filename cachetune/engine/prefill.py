@@ -105,22 +105,29 @@ def selective_prefill(
 @torch.no_grad()
 def prefix_prefill(adapter: ModelAdapter, layout: PromptLayout, prefix_cache: PrefixCache,
                    capacity: int) -> PrefillResult:
-    """Reuse the longest cached prefix (exact KV); the rest is the model's own forward after it.
+    """Reuse the longest cached prefix (exact KV); compute everything after it in one forward.
 
-    As in vLLM, the suffix runs through the model's ordinary prefill with the prefix as past KV, so
-    prefix caching costs exactly what full recompute costs for the tokens it does not reuse."""
+    The suffix is one contiguous run of queries, which our attention serves with one causal call
+    over the run plus one unmasked call over the prefix (merged exactly). HF's forward with the
+    prefix as past KV would build an explicit [suffix, total] mask, which the CPU kernel serves at
+    about half the speed of its causal path (measured: 80-85 s against 49-51 s on a 6.2K prompt)."""
     ids = layout.input_ids
+    device = adapter.device
+    cache = KVCache.empty(
+        adapter.num_layers, max(capacity, layout.total), adapter.num_kv_heads, adapter.head_dim, adapter.dtype, device
+    )
     hit, keys, values = prefix_cache.lookup(ids)
-    past = DynamicCache()  # config-less: keeps every row (see full_prefill)
     if hit:
-        for layer in range(adapter.num_layers):
-            # [hit, Hkv, D] -> HF's [1, Hkv, hit, D]
-            past.update(keys[layer].transpose(0, 1)[None].to(adapter.device),
-                        values[layer].transpose(0, 1)[None].to(adapter.device), layer)
-    out = adapter.model(input_ids=ids[hit:].to(adapter.device)[None], cache=past, use_cache=True, logits_to_keep=1)
+        cache.keys[:, :hit] = keys.to(device)
+        cache.values[:, :hit] = values.to(device)
+    cache.length = hit
+    active_pos = torch.arange(hit, layout.total, device=device)
+    rope = adapter.rope_tables(torch.arange(cache.capacity, device=device))
+    hidden = forward_active(adapter, adapter.embed(ids[hit:].to(device)), active_pos, cache, rope, last_only=True)
+    logits = adapter.logits(hidden[-1:])[0]
     # Chunk tokens after the hit are recomputed; those inside it were reused.
     recomputed = sum(max(0, start + seg.chunk.num_tokens - max(start, hit)) for start, seg in layout.chunk_segments)
-    return PrefillResult(out.cache, out.logits[0, -1].float(), layout.total, layout.total - hit, recomputed, capacity)
+    return PrefillResult(cache, logits, layout.total, layout.total - hit, recomputed)
 
 
 @torch.no_grad()
