@@ -25,7 +25,7 @@ from cachetune.eval.drift import (
     spearman,
 )
 from cachetune.store.memory import MemoryStore
-from conftest import FINGERPRINT, VOCAB, _capture_pre_rope, assert_close, build_layout, rand_ids
+from conftest import FINGERPRINT, VOCAB, _capture_pre_rope, assert_close, rand_ids
 
 
 class TinyEngine:
