@@ -23,6 +23,7 @@ from cachetune.engine.engine import FULL_RECOMPUTE, Engine
 from cachetune.engine.prefill import selective_prefill
 from cachetune.eval.datasets import QAExample
 from cachetune.eval.harness import DOCUMENT_SEPARATOR, TASK_SYSTEM, Setting, Variant
+from cachetune.eval.report import pyplot, save_figure
 from cachetune.selectors import RankedSelector
 from cachetune.selectors.prophetkv import QuestionAttention
 
@@ -52,7 +53,7 @@ def robustness_variants(ratio: float = 0.15) -> list[Variant]:
 
 def plot_sweep(report: dict, path: str | Path) -> Path:
     """Quality and KL against r (with TTFT) and against alpha, one line per dataset."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for name, ds in report["datasets"].items():
         rows = {r["method"]: r for r in ds["results"]}
@@ -72,12 +73,12 @@ def plot_sweep(report: dict, path: str | Path) -> Path:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    return _save(fig, plt, path, report)
+    return save_figure(fig, path, report['model'])
 
 
 def plot_robustness(report: dict, path: str | Path) -> Path:
     """Grouped bars: KL to full (and quality) per layout setting and selection."""
-    plt = _pyplot()
+    plt = pyplot()
     names = list(report["datasets"])
     methods = [r["method"] for r in report["datasets"][names[0]]["results"] if r["method"] != FULL_RECOMPUTE]
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
@@ -92,7 +93,7 @@ def plot_robustness(report: dict, path: str | Path) -> Path:
         ax.set_ylabel(key)
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
-    return _save(fig, plt, path, report)
+    return save_figure(fig, path, report['model'])
 
 
 # ---- attention similarity (Figure 1a) ---------------------------------------------------------
@@ -146,7 +147,7 @@ def format_attention_table(report: dict) -> str:
 
 
 def plot_attention(report: dict, path: str | Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for method, per in report["cosine"].items():
         xs = [int(n) for n in per]
@@ -155,23 +156,4 @@ def plot_attention(report: dict, path: str | Path) -> Path:
            title="question attention vs full recompute")
     ax.grid(alpha=0.3)
     ax.legend()
-    return _save(fig, plt, path, report)
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, plt, path, report) -> Path:
-    fig.suptitle(f"{report['model']}")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, report['model'])

@@ -266,11 +266,9 @@ def format_drift_table(report: dict) -> str:
 
 def plot_drift(report: dict, path: str | Path) -> None:
     """PNG: Recall@r by ranker (with the random expectation) and drift share by position decile."""
-    import matplotlib
+    from cachetune.eval.report import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     names = list(report["recall"])
     left.bar(names, [report["recall"][n] for n in names], color="tab:blue")
@@ -286,7 +284,4 @@ def plot_drift(report: dict, path: str | Path) -> None:
     right.set_ylabel("share of chunk drift")
     right.set_title("where drift sits")
     right.legend()
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -96,13 +96,32 @@ def write_json(data: dict, path: str | Path) -> None:
     os.replace(tmp, path)
 
 
-def plot_tradeoff(report: dict, out_dir: str | Path) -> list[Path]:
-    """The paper's Figure 3: quality vs TTFT per dataset, and the same for fidelity (KL to full)."""
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (imported on first use: plotting is optional)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig, path: str | Path, title: str | None = None) -> Path:
+    """Lay out, write a PNG (creating its folder) and free the figure."""
+    plt = pyplot()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_tradeoff(report: dict, out_dir: str | Path) -> list[Path]:
+    """The paper's Figure 3: quality vs TTFT per dataset, and the same for fidelity (KL to full)."""
+    plt = pyplot()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -122,10 +141,6 @@ def plot_tradeoff(report: dict, out_dir: str | Path) -> list[Path]:
             ax.set_title(f"{name} ({ds['n_examples']} ex.)")
             ax.grid(alpha=0.3)
         axes[0][-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
-        fig.suptitle(f"{report['model']} {report['dtype']}, r={report['config']['ratio']}")
-        fig.tight_layout()
-        path = out_dir / fname
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+        title = f"{report['model']} {report['dtype']}, r={report['config']['ratio']}"
+        written.append(save_figure(fig, out_dir / fname, title))
     return written

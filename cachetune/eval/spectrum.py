@@ -115,11 +115,9 @@ def format_spectrum_table(report: dict) -> str:
 
 def plot_spectrum(report: dict, path: str | Path) -> None:
     """PNG: K/V energy share by band, and the lowest-20% and DC shares by layer."""
-    import matplotlib
+    from cachetune.eval.report import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     x = torch.arange(report["bands"]).float()
     left.bar(x - 0.2, report["k_bands"], width=0.4, label="K (pre-RoPE)")
@@ -137,7 +135,4 @@ def plot_spectrum(report: dict, path: str | Path) -> None:
     right.set_xlabel("layer")
     right.set_ylabel("energy share")
     right.legend()
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
