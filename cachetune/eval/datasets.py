@@ -109,14 +109,7 @@ def load_ircot(path: str | Path, limit: int | None = None, name: str | None = No
     for i, row in enumerate(_read_jsonl(path, limit)):
         bad = _row_error(path, i, "IRCoT {question_text, answers_objects, contexts}")
         _require(row, ("question_text", "answers_objects", "contexts"), bad)
-        contexts = row["contexts"]
-        if not isinstance(contexts, list) or not contexts:
-            raise bad("'contexts' must be a non-empty list")
-        documents = []
-        for j, ctx in enumerate(contexts):
-            if not isinstance(ctx, dict) or not isinstance(ctx.get("paragraph_text"), str):
-                raise bad(f"contexts[{j}] must be an object with a string 'paragraph_text'")
-            documents.append(format_document(ctx.get("title") or "", ctx["paragraph_text"]))
+        documents = _documents(row, "contexts", "paragraph_text", bad)
         answers = _ircot_answers(row["answers_objects"])
         if not answers:
             raise bad("'answers_objects' must be a list of objects with non-empty string 'spans'")
@@ -366,20 +359,26 @@ def _nonempty_str(row: dict, key: str, bad: Callable[[str], ValueError]) -> str:
     return value
 
 
+def _documents(row: dict, key: str, text_key: str, bad: Callable[[str], ValueError]) -> list[str]:
+    """row[key]: a non-empty list of {title?, text_key} objects -> one document text each."""
+    items = row[key]
+    if not isinstance(items, list) or not items:
+        raise bad(f"'{key}' must be a non-empty list")
+    documents = []
+    for j, ctx in enumerate(items):
+        if not isinstance(ctx, dict) or not isinstance(ctx.get(text_key), str):
+            raise bad(f"{key}[{j}] must be an object with a string '{text_key}'")
+        title = ctx.get("title") or ""  # CacheBlend's samsum ctxs carry no title at all
+        if not isinstance(title, str):
+            raise bad(f"{key}[{j}].title must be a string")
+        documents.append(format_document(title, ctx[text_key]))
+    return documents
+
+
 def _parse_cacheblend(row: Any, index: int, path: Path, prefix: str) -> QAExample:
     bad = _row_error(path, index, "CacheBlend {ctxs, question, answers}")
     _require(row, ("ctxs", "question", "answers"), bad)
-    ctxs = row["ctxs"]
-    if not isinstance(ctxs, list) or not ctxs:
-        raise bad("'ctxs' must be a non-empty list")
-    documents = []
-    for j, ctx in enumerate(ctxs):
-        if not isinstance(ctx, dict) or not isinstance(ctx.get("text"), str):
-            raise bad(f"ctxs[{j}] must be an object with a string 'text'")
-        title = ctx.get("title") or ""  # CacheBlend's samsum ctxs carry no title at all
-        if not isinstance(title, str):
-            raise bad(f"ctxs[{j}].title must be a string")
-        documents.append(format_document(title, ctx["text"]))
+    documents = _documents(row, "ctxs", "text", bad)
     question = _nonempty_str(row, "question", bad)
     answers = _flatten_answers(row["answers"])
     if answers is None:
