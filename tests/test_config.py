@@ -20,7 +20,7 @@ def test_config_loads_from_toml_and_json_with_overrides(tmp_path):
     assert EngineConfig.from_file(js).prefetch is False
 
 
-@pytest.mark.parametrize("bad", [{"dtype": "int8"}, {"store": "tape"}, {"alpha": 0.0}, {"threads": 0}])
+@pytest.mark.parametrize("bad", [{"dtype": "int8"}, {"store": "tape"}, {"alpha": 0.0}, {"threads": 0}, {"ranking": "nope"}])
 def test_config_rejects_invalid_values(bad):
     with pytest.raises(ValueError):
         EngineConfig(**bad)

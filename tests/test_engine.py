@@ -127,3 +127,22 @@ def test_engine_refuses_reuse_when_self_check_fails(loaded, monkeypatch):
     with pytest.raises(ReuseRefusedError):
         engine.generate(ids, QUESTION, method="cachetune")
     assert engine.generate(ids, QUESTION, method="full_recompute", sampling=SamplingConfig(max_new_tokens=2)).text
+
+
+def test_cachetune_ranking_parameter_names_the_offline_ranker(engine):
+    ids = [engine.cache_chunk(d) for d in DOCS]
+    stored = engine.chunk(ids[0])
+    assert stored.ranker == engine.config.ranking  # the default ranker is the one stored
+    sampling = SamplingConfig(max_new_tokens=4)
+    by_param = engine.generate(ids, QUESTION, ratio=0.3, sampling=sampling, ranking="first")
+    by_name = engine.generate(ids, QUESTION, method="cachetune:first", ratio=0.3, sampling=sampling)
+    assert by_param.token_ids == by_name.token_ids and by_param.method == "cachetune:first"
+    layout = engine.layout(ids, QUESTION)
+    a = engine.prefill(layout, "cachetune", 0.3, ranking="first")
+    b = engine.prefill(layout, "cachetune", 0.3, ranking="lf")
+    assert not torch.equal(a.logits, b.logits)  # other tokens recomputed
+    assert torch.equal(engine.ranking(stored, "first"), torch.arange(stored.num_tokens))
+    with pytest.raises(ValueError, match="applies to the cachetune method"):
+        engine.prefill(layout, "epic", 0.3, ranking="first")
+    with pytest.raises(ValueError, match="unknown method"):
+        engine.prefill(layout, "cachetune:nope", 0.3)

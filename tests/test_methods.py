@@ -8,7 +8,7 @@ from functools import partial
 import pytest
 import torch
 
-from cachetune.chunks.ranking import rank_tokens
+from cachetune.chunks.rankers import ChunkView, get_ranker
 from cachetune.engine.ape import APEConfig, ape_attention, ape_prefill
 from cachetune.engine.decode import SamplingConfig, extend, generate_tokens
 from cachetune.engine.layout import PromptLayout, Segment
@@ -32,13 +32,24 @@ def _parts(prefix=12, chunks=(40, 33, 50), question=9, seed=0):
     return parts + [(rand_ids(question, seed + 99), False)]
 
 
-def _request(adapter, layout):
-    def ranking(chunk, name):
-        every = torch.arange(chunk.num_tokens)
-        kv = [chunk.load_layer(layer, every) for layer in range(adapter.num_layers)]
-        return rank_tokens(name, torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv]), chunk.token_ids)
+class _Rankings:
+    """A RankingSource without an engine: K/V-only rankers on the stored chunk, default `lf`."""
 
-    return SelectionRequest(layout, adapter, ranking)
+    def __init__(self, adapter):
+        self.adapter = adapter
+
+    def ranker(self, spec=None):
+        return get_ranker(spec or "lf")
+
+    def scores(self, chunk, spec=None):
+        every = torch.arange(chunk.num_tokens)
+        kv = [chunk.load_layer(layer, every) for layer in range(self.adapter.num_layers)]
+        view = ChunkView(chunk.token_ids, torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv]))
+        return self.ranker(spec).scores(view)
+
+
+def _request(adapter, layout):
+    return SelectionRequest(layout, adapter, _Rankings(adapter))
 
 
 def _select(name, adapter, layout, ratio):

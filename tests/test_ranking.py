@@ -8,10 +8,10 @@ from cachetune.chunks.ranking import (
     high_frequency,
     lf_scores,
     low_frequency,
-    rank_tokens,
     ranking_from_scores,
     top_share,
 )
+from cachetune.chunks.rankers import rank_tokens
 
 FP = "a" * 64
 FP_OTHER = "b" * 64
@@ -271,8 +271,10 @@ def test_named_alpha_overrides_the_default():
     ids = torch.arange(40)
     assert torch.equal(rank_tokens("lf:0.3", k, v, ids), ranking_from_scores(lf_scores(k, v, 0.3)))
     assert torch.equal(rank_tokens("highfreq:0.3", k, v, ids), rank_tokens("highfreq", k, v, ids, alpha=0.3))
-    with pytest.raises(ValueError, match="unknown ranker"):
+    with pytest.raises(ValueError, match="bad ranker 'lf:abc'"):
         rank_tokens("lf:abc", k, v, ids)
+    with pytest.raises(ValueError, match="alpha must be in"):
+        rank_tokens("lf:1.5", k, v, ids)
     with pytest.raises(ValueError, match="unknown ranker"):
         rank_tokens("nope", k, v, ids)
 

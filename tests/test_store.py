@@ -197,7 +197,7 @@ def test_disk_put_writes_atomically_and_leaves_no_temp_file(tmp_path) -> None:
     assert [p.name for p in store.root.iterdir()] == [path.name]
     # The file is complete: every tensor parses with its full shape.
     with safe_open(str(path), framework="pt") as f:
-        assert set(f.keys()) == {"token_ids", "ranking", "keys", "values"}
+        assert set(f.keys()) == {"token_ids", "ranking", "scores", "keys", "values"}
         assert f.get_tensor("keys").shape == (L, chunk.num_tokens, HKV, D)
         assert f.get_tensor("values").shape == (L, chunk.num_tokens, HKV, D)
         assert f.get_tensor("token_ids").shape == (chunk.num_tokens,)
@@ -407,3 +407,33 @@ def test_disk_flipped_dtype_byte_in_header_raises_corrupt(tmp_path) -> None:
         return
     k, _ = stored.load_layer(0, torch.arange(chunk.num_tokens))
     assert k.dtype == chunk.keys.dtype and torch.equal(k, chunk.keys[0]), "unverified data was returned"
+
+
+def test_disk_round_trip_keeps_the_ranker_name_and_scores(tmp_path) -> None:
+    base = make_chunk(seed=5)
+    scores = torch.linspace(1.0, 0.0, base.num_tokens)[torch.randperm(base.num_tokens)]
+    chunk = EncodedChunk(base.chunk_id, base.token_ids, base.keys, base.values,
+                         torch.sort(scores, descending=True, stable=True).indices, scores, "probe")
+    DiskStore(tmp_path, FP).put(chunk)
+    stored = DiskStore(tmp_path, FP).get(chunk.chunk_id)
+    assert stored.ranker == "probe"
+    assert torch.equal(stored.scores, scores) and torch.equal(stored.ranking, chunk.ranking)
+
+
+def test_disk_file_whose_ranking_does_not_follow_its_scores_raises_corrupt(tmp_path) -> None:
+    base = make_chunk(seed=6)
+    swapped = base.ranking.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]  # still a permutation, but not the scores' order
+    forged = EncodedChunk(base.chunk_id, base.token_ids, base.keys, base.values, swapped, base.scores, "lf")
+    store = DiskStore(tmp_path, FP)
+    store.put(forged)
+    assert_corrupt_and_dropped(DiskStore(tmp_path, FP), base.chunk_id, store.path(base.chunk_id))
+
+
+def test_disk_file_of_the_previous_format_is_dropped_not_used(tmp_path) -> None:
+    chunk, path = write_and_locate(tmp_path)
+    blob = path.read_bytes()
+    old = blob.replace(FORMAT.encode(), b"cachetune-chunk/1")
+    assert old != blob
+    path.write_bytes(old)
+    assert_corrupt_and_dropped(DiskStore(tmp_path, FP), chunk.chunk_id, path)

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cachetune.chunks.ranking import lf_scores, ranking_from_scores
-from cachetune.engine.forward import forward_active
-from cachetune.engine.kv_cache import KVCache
+from cachetune.chunks.kv import encode_kv
+from cachetune.chunks.rankers import ChunkView, Ranker, RankingContext, get_ranker
+from cachetune.chunks.ranking import ranking_from_scores, scores_from_ranking
 from cachetune.model.adapter import ModelAdapter
 
 # Bump when what a chunk id stands for changes (prefix policy, key layout), so old caches never match.
@@ -41,6 +41,12 @@ class EncodedChunk:
     keys: torch.Tensor
     values: torch.Tensor
     ranking: torch.Tensor     # [N] local token indices, most worth recomputing first
+    scores: torch.Tensor | None = None  # [N] float32 behind `ranking` (None: derived from it)
+    ranker: str = "lf"        # the offline ranker that produced them
+
+    def __post_init__(self) -> None:
+        if self.scores is None:
+            self.scores = scores_from_ranking(self.ranking)
 
     @property
     def num_tokens(self) -> int:
@@ -49,22 +55,16 @@ class EncodedChunk:
 
 @torch.no_grad()
 def encode_chunk(
-    adapter: ModelAdapter, token_ids: torch.Tensor, model_fingerprint: str, alpha: float = 0.5
+    adapter: ModelAdapter, token_ids: torch.Tensor, model_fingerprint: str, ranker: Ranker | None = None,
+    context: RankingContext | None = None,
 ) -> EncodedChunk:
-    """Run the chunk alone through the model, keep per-layer pre-RoPE K and V and rank its tokens."""
+    """Run the chunk alone through the model, keep per-layer pre-RoPE K and V and rank its tokens
+    (by `ranker`, default the paper's `lf`; model-running rankers need `context`)."""
     if token_ids.numel() == 0:
         raise ValueError("cannot cache an empty chunk")
     ids = token_ids.to(adapter.device, torch.int64)
-    n = ids.numel()
-    keys = torch.empty(adapter.num_layers, n, adapter.num_kv_heads, adapter.head_dim, dtype=adapter.dtype)
-    values = torch.empty_like(keys)
-
-    def capture(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        keys[layer] = k
-        values[layer] = v
-
-    pos = torch.arange(n, device=adapter.device)
-    scratch = KVCache.empty(adapter.num_layers, n, adapter.num_kv_heads, adapter.head_dim, adapter.dtype, adapter.device)
-    forward_active(adapter, adapter.embed(ids), pos, scratch, adapter.rope_tables(pos), capture=capture, last_only=True)
-    ranking = ranking_from_scores(lf_scores(keys, values, alpha))
-    return EncodedChunk(chunk_id(model_fingerprint, ids), ids.cpu(), keys, values, ranking)
+    keys, values = (x.cpu() for x in encode_kv(adapter, ids))
+    ranker = ranker or get_ranker("lf")
+    scores = ranker.scores(ChunkView(ids.cpu(), keys, values, context))
+    return EncodedChunk(chunk_id(model_fingerprint, ids), ids.cpu(), keys, values, ranking_from_scores(scores),
+                        scores, ranker.name)

@@ -1,8 +1,8 @@
 """Offline token rankings of an independently encoded chunk (pure functions on tensors).
 
-A ranking orders a chunk's local token indices, most worth recomputing first. `RANKERS` names every
-ranking the harness compares: the paper's `lf`, and for analysis `highfreq` (the frequencies `lf`
-drops), `l2` (no frequency filter), `random` and `first` (chunk order, EPIC-like).
+A ranking orders a chunk's local token indices, most worth recomputing first; a score vector [N]
+(higher first) defines one. The named rankers built from these functions live in
+cachetune.chunks.rankers.
 
 `lf_scores` is CacheTune's low-frequency ranking (paper section 4.1 and appendix B.1): along the token
 axis of every layer's K and V, per head and channel, keep the lowest `alpha` share of the rFFT
@@ -18,6 +18,8 @@ import math
 from typing import Callable
 
 import torch
+
+NOISE_FLOOR = 1e-5  # a layer whose total K (or V) drift is below this share of its total norm: no drift
 
 
 def low_frequency(x: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -96,25 +98,48 @@ def top_share(ranking: torch.Tensor, ratio: float) -> torch.Tensor:
     return torch.sort(ranking[:count]).values
 
 
-# name -> (keys [L,N,H,D], values, token_ids [N], alpha) -> ranking [N]
-RANKERS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
-    "lf": lambda k, v, ids, alpha: ranking_from_scores(lf_scores(k, v, alpha)),
-    "highfreq": lambda k, v, ids, alpha: ranking_from_scores(hf_scores(k, v, alpha)),
-    "l2": lambda k, v, ids, alpha: ranking_from_scores(magnitude_scores(k, v)),
-    "random": lambda k, v, ids, alpha: seeded_permutation(ids),
-    "first": lambda k, v, ids, alpha: torch.arange(ids.numel()),
-}
+def layer_drift(alone: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+    """alone/moved: [L, N, Hkv, D] -> raw per-layer, per-token L2 distance [L, N] (float32)."""
+    return (moved.float() - alone.float()).flatten(2).norm(dim=2)
 
 
-def rank_tokens(name: str, keys: torch.Tensor, values: torch.Tensor, token_ids: torch.Tensor,
-                alpha: float = 0.5) -> torch.Tensor:
-    """The ranking of one chunk by the named ranker (see RANKERS).
+def _normalise_drift(drift: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+    """drift [L, N] divided by each layer's sum; layers at the noise floor become 0."""
+    total = drift.sum(dim=1, keepdim=True)  # [L, 1]
+    scale = moved.float().flatten(2).norm(dim=2).sum(dim=1, keepdim=True)
+    live = total > NOISE_FLOOR * scale
+    return torch.where(live, drift / total.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(drift))
 
-    A name may carry its own cutoff, "lf:0.3", which overrides `alpha` (the alpha sweep uses it)."""
-    base, _, own_alpha = name.partition(":")
-    try:
-        ranker = RANKERS[base]
-        alpha = float(own_alpha) if own_alpha else alpha
-    except (KeyError, ValueError):
-        raise ValueError(f"unknown ranker {name!r}; known: {', '.join(RANKERS)} (optionally 'name:alpha')") from None
-    return ranker(keys, values, token_ids, alpha)
+
+def kv_drift(alone_k: torch.Tensor, alone_v: torch.Tensor, moved_k: torch.Tensor, moved_v: torch.Tensor) -> torch.Tensor:
+    """Per-token drift [N] between two encodings of the same chunk tokens (all inputs [L, N, Hkv, D]).
+
+    Per layer, each token's K (before RoPE) and V distance, divided by the layer's sum so layers weigh
+    equally; K and V halves averaged, then the mean over layers. A layer part whose total drift is at
+    the float noise floor counts 0 (layer 0's K/V are projections of the embeddings alone and cannot
+    move). The drift analysis compares alone vs full prompt; the probe ranker alone vs after a probe.
+    """
+    k = _normalise_drift(layer_drift(alone_k, moved_k), moved_k)
+    v = _normalise_drift(layer_drift(alone_v, moved_v), moved_v)
+    return (0.5 * k + 0.5 * v).mean(dim=0)
+
+
+def scores_from_ranking(ranking: torch.Tensor) -> torch.Tensor:
+    """Scores [N] whose ranking_from_scores is `ranking` (the first ranked token scores N, the last 1)."""
+    n = ranking.numel()
+    scores = torch.empty(n, dtype=torch.float32)
+    scores[ranking] = torch.arange(n, 0, -1, dtype=torch.float32)
+    return scores
+
+
+def rank_fusion(scores: list[torch.Tensor], k: float = 60.0) -> torch.Tensor:
+    """Reciprocal rank fusion of several score vectors [N]: sum of 1 / (k + rank) (rank 1 = best).
+
+    Rank-based, so components on different scales (drift shares, magnitudes, positions) mix without
+    weights to tune; k=60 is the usual constant from the information-retrieval literature."""
+    fused = torch.zeros_like(scores[0], dtype=torch.float32)
+    for s in scores:
+        rank = torch.empty(s.numel(), dtype=torch.float32)
+        rank[ranking_from_scores(s)] = torch.arange(1, s.numel() + 1, dtype=torch.float32)
+        fused += 1.0 / (k + rank)
+    return fused

@@ -18,7 +18,9 @@ from typing import Sequence
 import torch
 
 from cachetune.chunks.encode import chunk_id, encode_chunk
-from cachetune.chunks.ranking import rank_tokens
+from cachetune.chunks.probes import PROBE_PASSAGES, ProbeBank
+from cachetune.chunks.rankers import ChunkView, Ranker, RankingContext, get_ranker
+from cachetune.chunks.ranking import ranking_from_scores
 from cachetune.config import EngineConfig
 from cachetune.engine.ape import APEConfig, ape_prefill
 from cachetune.engine.decode import SamplingConfig, generate_tokens
@@ -29,7 +31,7 @@ from cachetune.engine.prompt import DEFAULT_SYSTEM, QUESTION_LABEL, PromptTempla
 from cachetune.engine.selfcheck import ReuseRefusedError, run_self_check
 from cachetune.model.adapter import ModelAdapter
 from cachetune.model.loader import LoadedModel, default_cache_dir, load_model, model_fingerprint
-from cachetune.selectors import SELECTORS, SelectionRequest, TokenSelector, get_selector
+from cachetune.selectors import SELECTORS, SelectionRequest, TokenSelector, get_selector, is_selector
 from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
 from cachetune.store.disk import DiskStore
 from cachetune.store.memory import MemoryStore
@@ -41,7 +43,21 @@ PREFIX = "prefix"
 APE = "ape"
 # Exact methods (their KV may seed the prefix cache), then reuse methods with their own prefill.
 PREFILL_METHODS = (FULL_RECOMPUTE, PREFIX)
-METHODS = (*PREFILL_METHODS, APE, *SELECTORS)
+METHODS = (*PREFILL_METHODS, APE, *SELECTORS)  # plus "cachetune:<ranker>" (see is_method)
+
+
+def is_method(name: str) -> bool:
+    """A method name Engine.prefill accepts: one of METHODS or cachetune with a named ranking."""
+    return name in METHODS or is_selector(name)
+
+
+def _with_ranking(method: str | TokenSelector, ranking: str | None) -> str | TokenSelector:
+    """"cachetune" with ranking="probe" is the method "cachetune:probe"; other methods take no ranking."""
+    if ranking is None:
+        return method
+    if method != "cachetune":
+        raise ValueError(f"ranking= applies to the cachetune method, not {method!r}")
+    return f"cachetune:{ranking}"
 
 
 @dataclass
@@ -69,7 +85,9 @@ class Engine:
         self.template = PromptTemplate(self.tokenizer)
         self.store = store or self._default_store()
         self._tokens: dict[str, torch.Tensor] = {}  # ids cached by this engine, to re-encode after corruption
-        self._rankings: dict[tuple[str, str], torch.Tensor] = {}  # (chunk id, ranker) -> offline ranking
+        self._scores: dict[tuple[str, str], torch.Tensor] = {}  # (chunk id, ranker) -> offline scores
+        self._rankers: dict[str | None, Ranker] = {}
+        self._ranking_context: RankingContext | None = None
         self.prefix_cache = PrefixCache()
         self.ape_config = APEConfig()
         self.reuse_error: str | None = None
@@ -106,7 +124,7 @@ class Engine:
         cid = chunk_id(self.fingerprint, token_ids)
         self._tokens[cid] = token_ids
         if self._lookup(cid) is None:
-            self.store.put(encode_chunk(self.adapter, token_ids, self.fingerprint, self.config.alpha))
+            self.store.put(self._encode(token_ids))
         return cid
 
     def _lookup(self, cid: str) -> StoredChunk | None:
@@ -120,28 +138,59 @@ class Engine:
         """The stored chunk; a missing or corrupt one is re-encoded if this engine knows its tokens."""
         stored = self._lookup(cid)
         if stored is None and cid in self._tokens:
-            self.store.put(encode_chunk(self.adapter, self._tokens[cid], self.fingerprint, self.config.alpha))
+            self.store.put(self._encode(self._tokens[cid]))
             stored = self.store.get(cid)
         if stored is None:
             raise KeyError(f"chunk {cid} is not in the store; cache its text with cache_chunk() first")
         return stored
 
-    def ranking(self, chunk: StoredChunk, ranker: str) -> torch.Tensor:
-        """The chunk's ranking by a named offline ranker; the stored one for "lf", others computed once.
+    def _encode(self, token_ids: torch.Tensor):
+        ranker = self.ranker()
+        context = self.ranking_context() if ranker.needs_model else None
+        return encode_chunk(self.adapter, token_ids, self.fingerprint, ranker, context)
 
-        Computing a ranking other than the stored one reads every layer of the chunk from its tier;
-        callers that time requests should ask for it before the clock starts (it is offline work).
-        """
-        if ranker == "lf":
-            return chunk.ranking
-        key = (chunk.chunk_id, ranker)
-        if key not in self._rankings:
+    def ranker(self, spec: str | None = None) -> Ranker:
+        """The offline ranker named `spec` (None: the configured default, stored with every chunk)."""
+        if spec not in self._rankers:
+            self._rankers[spec] = get_ranker(spec or self.config.ranking, self.config.alpha)
+        return self._rankers[spec]
+
+    def ranking_context(self) -> RankingContext:
+        """Model and probe prefixes for rankers that run the model; probes are encoded on first use.
+
+        Probe 0 is the prompt head a request puts before its documents (template start, default system
+        prompt); probe i > 0 is that head followed by PROBE_PASSAGES[i-1] and the document separator."""
+        if self._ranking_context is None:
+            head = self.template.segments(DEFAULT_SYSTEM, "")[0]
+            passages = [torch.cat([head, self.tokenize(p + "\n\n")]) for p in PROBE_PASSAGES]
+            bos = getattr(self.tokenizer, "bos_token_id", None)
+            self._ranking_context = RankingContext(self.adapter, ProbeBank(self.adapter, [head, *passages]), bos)
+        return self._ranking_context
+
+    def scores(self, chunk: StoredChunk, spec: str | None = None) -> torch.Tensor:
+        """The chunk's offline scores [N] by a named ranker: the stored ones when the chunk was cached
+        with that ranker, otherwise computed once and kept.
+
+        Computing scores other than the stored ones reads every layer of the chunk from its tier (and
+        a probe ranker runs the model); callers that time requests ask before the clock starts."""
+        ranker = self.ranker(spec)
+        if chunk.ranker == ranker.name:
+            return chunk.scores
+        key = (chunk.chunk_id, ranker.name)
+        if key not in self._scores:
             every = torch.arange(chunk.num_tokens)
             layers = [chunk.load_layer(layer, every) for layer in range(self.adapter.num_layers)]
             keys = torch.stack([k for k, _ in layers])  # [L, N, Hkv, D]
             values = torch.stack([v for _, v in layers])
-            self._rankings[key] = rank_tokens(ranker, keys, values, chunk.token_ids, self.config.alpha)
-        return self._rankings[key]
+            context = self.ranking_context() if ranker.needs_model else None
+            self._scores[key] = ranker.scores(ChunkView(chunk.token_ids, keys, values, context))
+        return self._scores[key]
+
+    def ranking(self, chunk: StoredChunk, spec: str | None = None) -> torch.Tensor:
+        """Local token indices, most worth recomputing first, by a named ranker (see `scores`)."""
+        if chunk.ranker == self.ranker(spec).name:
+            return chunk.ranking
+        return ranking_from_scores(self.scores(chunk, spec))
 
     def cache_prefix(self, token_ids: torch.Tensor) -> int:
         """Run a plain prefill of `token_ids` and keep its full blocks in the prefix cache.
@@ -170,11 +219,13 @@ class Engine:
         return PromptLayout([Segment(before), *(Segment(c.token_ids, c) for c in stored), Segment(after)])
 
     def prefill(self, layout: PromptLayout, method: str | TokenSelector = "cachetune", ratio: float = 0.15,
-                extra_capacity: int = 64) -> PrefillResult:
-        """Fill the KV cache for `layout` with `method` (a name in METHODS or a TokenSelector instance);
-        `extra_capacity` rows are reserved for decoding."""
-        if isinstance(method, str) and method not in METHODS:
-            raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+                extra_capacity: int = 64, ranking: str | None = None) -> PrefillResult:
+        """Fill the KV cache for `layout` with `method` (a name in METHODS, "cachetune:<ranker>", or a
+        TokenSelector instance); `extra_capacity` rows are reserved for decoding. `ranking` picks the
+        offline ranker of the cachetune method (default: EngineConfig.ranking)."""
+        method = _with_ranking(method, ranking)
+        if isinstance(method, str) and not is_method(method):
+            raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}, cachetune:<ranker>")
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"ratio must be in [0, 1], got {ratio}")
         capacity = layout.total + extra_capacity
@@ -187,7 +238,7 @@ class Engine:
         if method == APE:
             return ape_prefill(self.adapter, layout, capacity, self.ape_config)
         selector = get_selector(method) if isinstance(method, str) else method
-        request = SelectionRequest(layout, self.adapter, self.ranking)
+        request = SelectionRequest(layout, self.adapter, self)
         selections = selector.select(request, ratio)
         if selector.drops_unselected:
             return pruned_prefill(self.adapter, layout, selections, capacity)
@@ -211,6 +262,7 @@ class Engine:
         extra_capacity: int = 64,
         label: str = QUESTION_LABEL,
         preamble: torch.Tensor | None = None,
+        ranking: str | None = None,
     ) -> tuple[PrefillResult, float]:
         """Everything a request pays before its first token: layout, selection, loading, prefill.
 
@@ -219,7 +271,7 @@ class Engine:
         """
         start = time.perf_counter()
         layout = self.layout(chunks, question, system, label, preamble)
-        result = self.prefill(layout, method, ratio, extra_capacity)
+        result = self.prefill(layout, method, ratio, extra_capacity, ranking)
         torch.argmax(result.logits)
         return result, (time.perf_counter() - start) * 1000
 
@@ -232,9 +284,12 @@ class Engine:
         method: str = "cachetune",
         ratio: float = 0.15,
         sampling: SamplingConfig | None = None,
+        ranking: str | None = None,
     ) -> GenerationResult:
-        """Answer `question` over the cached `chunks` (ids from cache_chunk, in prompt order)."""
+        """Answer `question` over the cached `chunks` (ids from cache_chunk, in prompt order).
+        `ranking`: the cachetune method's offline ranker (default: EngineConfig.ranking)."""
         sampling = sampling or SamplingConfig()
+        method = _with_ranking(method, ranking)
         result, ttft_ms = self.start_request(chunks, question, system, method, ratio, sampling.max_new_tokens)
         step = partial(result.extend, self.adapter)
         tokens = generate_tokens(step, result.logits, sampling, self.stop_ids())

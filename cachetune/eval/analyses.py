@@ -2,9 +2,9 @@
 
 - `sweep`: cachetune at r in RATIOS (alpha 0.5), and the LF ranking at alpha in ALPHAS (r 0.15):
   quality, fidelity and TTFT per point (paper Figure 11).
-- `robustness`: rankings frozen at caching time, served in four layouts: dataset order, chunks
-  shuffled, 1,024 tokens of unrelated uncached text before the chunks, and both (Figure 1c), for
-  full reuse and LF / high-frequency / random selection at r = 0.15.
+- `robustness`: rankings frozen at caching time, served in five settings: dataset order, chunks
+  shuffled, 1,024 tokens of unrelated uncached text before the chunks, both, and another example's
+  question over the same documents (Figure 1c), for full reuse and the chosen rankers at r = 0.15.
 - `attention_similarity`: cosine between the question's attention over the prompt under a method and
   under full recompute, per layer averaged, for full reuse and LF / high-frequency / random selection,
   with the first n documents for several n (Figure 1a).
@@ -34,8 +34,10 @@ ROBUSTNESS_SETTINGS = (
     Setting("shuffled", shuffle=True),
     Setting("preamble1024", preamble_tokens=1024),
     Setting("shuffled+preamble1024", shuffle=True, preamble_tokens=1024),
+    Setting("other_question", other_question=True),
 )
 SELECTIONS = {"lowfreq": "lf", "highfreq": "highfreq", "random": "random"}
+ROBUSTNESS_RANKERS = ("lf", "highfreq", "random")
 FULL = Variant(FULL_RECOMPUTE, FULL_RECOMPUTE, 1.0)
 
 
@@ -46,9 +48,9 @@ def sweep_variants(ratios=RATIOS, alphas=ALPHAS, alpha_ratio: float = 0.15) -> l
     return out
 
 
-def robustness_variants(ratio: float = 0.15) -> list[Variant]:
+def robustness_variants(ratio: float = 0.15, rankers=ROBUSTNESS_RANKERS) -> list[Variant]:
     out = [FULL, Variant("full_reuse", "full_reuse", 0.0)]
-    return out + [Variant(label, RankedSelector(label, ranker), ratio) for label, ranker in SELECTIONS.items()]
+    return out + [Variant(f"cachetune:{r}", f"cachetune:{r}", ratio) for r in rankers]
 
 
 def plot_sweep(report: dict, path: str | Path) -> Path:

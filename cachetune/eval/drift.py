@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from cachetune.chunks.ranking import RANKERS, lf_scores, rank_tokens, ranking_from_scores, top_share
+from cachetune.chunks.kv import encode_kv
+from cachetune.chunks.rankers import ChunkView, get_ranker
+from cachetune.chunks.ranking import NOISE_FLOOR, kv_drift, layer_drift, lf_scores, ranking_from_scores, top_share
 from cachetune.engine.forward import forward_active
 from cachetune.engine.kv_cache import KVCache
 from cachetune.engine.layout import PromptLayout
@@ -37,7 +40,6 @@ from cachetune.eval.harness import DOCUMENT_SEPARATOR
 from cachetune.eval.datasets import QAExample
 from cachetune.model.adapter import ModelAdapter
 
-NOISE_FLOOR = 1e-5
 DECILES = 10
 EARLY_SHARE = 0.15  # "the start of a chunk" for the position profile
 
@@ -68,26 +70,6 @@ def context_kv(adapter: ModelAdapter, layout: PromptLayout) -> tuple[torch.Tenso
     # last_only: every layer still captures all tokens' K/V; only the unused final outputs are skipped.
     forward_active(adapter, adapter.embed(ids), pos, cache, adapter.rope_tables(pos), capture=capture, last_only=True)
     return keys, values
-
-
-def layer_drift(alone: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
-    """alone/ctx: [L, N, Hkv, D] -> raw per-layer, per-token L2 drift [L, N] (float32)."""
-    return (ctx.float() - alone.float()).flatten(2).norm(dim=2)
-
-
-def _normalise(drift: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
-    """drift [L, N] divided by each layer's sum; layers at the noise floor become 0."""
-    total = drift.sum(dim=1, keepdim=True)  # [L, 1]
-    scale = ctx.float().flatten(2).norm(dim=2).sum(dim=1, keepdim=True)
-    live = total > NOISE_FLOOR * scale
-    return torch.where(live, drift / total.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(drift))
-
-
-def kv_drift(alone_k: torch.Tensor, alone_v: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor) -> torch.Tensor:
-    """Per-token drift [N] of one chunk (see DRIFT_DEFINITION); all inputs [L, N, Hkv, D]."""
-    k = _normalise(layer_drift(alone_k, ctx_k), ctx_k)
-    v = _normalise(layer_drift(alone_v, ctx_v), ctx_v)
-    return (0.5 * k + 0.5 * v).mean(dim=0)
 
 
 def recall_at(selected: torch.Tensor, reference: torch.Tensor) -> float:
@@ -121,15 +103,20 @@ class DriftConfig:
     rankers: tuple[str, ...] = ("lf", "highfreq", "l2", "random", "first")
     alpha: float = 0.5
     separator: str = DOCUMENT_SEPARATOR  # appended to every document, as `cachetune bench` does
+    ratios: tuple[float, ...] = ()       # more ratios to report Recall@r at (the reference changes with r)
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.ratio <= 1.0:
-            raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
+        for r in (self.ratio, *self.ratios):
+            if not 0.0 < r <= 1.0:
+                raise ValueError(f"ratio must be in (0, 1], got {r}")
         if not 0.0 < self.alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
-        unknown = [r for r in self.rankers if r not in RANKERS]
-        if unknown:
-            raise ValueError(f"unknown ranker(s) {unknown}; known: {', '.join(RANKERS)}")
+        for name in self.rankers:
+            get_ranker(name, self.alpha)  # a clear error for an unknown ranker
+
+    @property
+    def all_ratios(self) -> tuple[float, ...]:
+        return tuple(dict.fromkeys((self.ratio, *self.ratios)))
 
 
 @dataclass
@@ -137,6 +124,9 @@ class _Totals:
     """Per-chunk measurements accumulated over the run."""
 
     recall: dict[str, list[float]]
+    recall_at: dict[float, dict[str, list[float]]] = field(default_factory=dict)
+    rank_ms: dict[str, list[float]] = field(default_factory=dict)  # offline cost per chunk
+    encode_ms: list[float] = field(default_factory=list)          # the chunk's own encode
     random_expected: list[float] = field(default_factory=list)
     profile: list[torch.Tensor] = field(default_factory=list)
     early: list[float] = field(default_factory=list)
@@ -157,16 +147,32 @@ def _relative(alone: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
     return layer_drift(alone, ctx).sum(1) / ctx.float().flatten(2).norm(dim=2).sum(1).clamp_min(1e-30)
 
 
-def _measure_chunk(k, v, ck, cv, token_ids, config: DriftConfig, totals: _Totals) -> dict | None:
-    n = token_ids.numel()
+def _timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, (time.perf_counter() - start) * 1000
+
+
+def _measure_chunk(k, v, ck, cv, view: ChunkView, rankers: dict, config: DriftConfig, totals: _Totals) -> dict | None:
+    n = view.token_ids.numel()
     drift = kv_drift(k, v, ck, cv)  # [N]
-    reference = top_share(ranking_from_scores(drift), config.ratio)
+    by_drift = ranking_from_scores(drift)
+    reference = top_share(by_drift, config.ratio)
     if reference.numel() == 0:  # chunk too short for ratio*N to round to one token
         return None
+    orders = {}
+    for name, ranker in rankers.items():
+        orders[name], ms = _timed(lambda: ranker.ranking(view))
+        totals.rank_ms.setdefault(name, []).append(ms)
     recalls = {}
-    for name in config.rankers:
-        recalls[name] = recall_at(top_share(rank_tokens(name, k, v, token_ids, config.alpha), config.ratio), reference)
+    for name, order in orders.items():
+        recalls[name] = recall_at(top_share(order, config.ratio), reference)
         totals.recall[name].append(recalls[name])
+    for r in config.all_ratios:
+        ref = top_share(by_drift, r)
+        if ref.numel():
+            for name, order in orders.items():
+                totals.recall_at.setdefault(r, {}).setdefault(name, []).append(recall_at(top_share(order, r), ref))
     early = torch.arange(n)[: max(1, int(math.floor(EARLY_SHARE * n + 0.5)))]
     totals.random_expected.append(reference.numel() / n)
     totals.profile.append(position_profile(drift))
@@ -190,12 +196,17 @@ def run_drift_recall(engine, examples: list[QAExample], config: DriftConfig | No
                      progress: bool = True) -> dict:
     """Recall@ratio of each ranker against the high-drift tokens of every chunk of every example.
 
-    `engine` needs `name`, `adapter`, `cache_chunk(text)`, `chunk(id)` and `layout(ids, question)`
-    (cachetune.Engine has them). Returns a JSON-ready report; see format_drift_table for the summary.
+    `engine` needs `name`, `adapter`, `cache_chunk(text)`, `chunk(id)` and `layout(ids, question)`,
+    and `ranking_context()` for rankers that run the model (cachetune.Engine has them all). Returns a JSON-ready report; see format_drift_table for the summary.
     """
     config = config or DriftConfig()
     adapter = engine.adapter
     totals = _Totals(recall={name: [] for name in config.rankers})
+    rankers = {name: get_ranker(name, config.alpha) for name in config.rankers}
+    context = engine.ranking_context() if any(r.needs_model for r in rankers.values()) else None
+    if context is not None:  # probe prefixes are encoded once per engine: not a per-chunk cost
+        for i in range(len(context.probes)):
+            context.probes.probe(i)
     records, skipped = [], 0
     for ex in tqdm(examples, desc="drift", disable=not progress):
         ids = [engine.cache_chunk(doc + config.separator) for doc in ex.documents]
@@ -204,9 +215,12 @@ def run_drift_recall(engine, examples: list[QAExample], config: DriftConfig | No
         chunks = []
         for start, seg in layout.chunk_segments:
             k, v = _chunk_kv(seg.chunk, adapter.num_layers)
+            _, encode_ms = _timed(lambda: encode_kv(adapter, seg.chunk.token_ids))  # what caching it costs
+            totals.encode_ms.append(encode_ms)
             n = seg.chunk.num_tokens
             ck, cv = ctx_k[:, start : start + n], ctx_v[:, start : start + n]
-            record = _measure_chunk(k, v, ck, cv, seg.chunk.token_ids, config, totals)
+            view = ChunkView(seg.chunk.token_ids, k, v, context)
+            record = _measure_chunk(k, v, ck, cv, view, rankers, config, totals)
             if record is None:
                 skipped += 1
                 continue
@@ -227,6 +241,13 @@ def run_drift_recall(engine, examples: list[QAExample], config: DriftConfig | No
         "chunks_skipped_too_short": skipped,
         "recall": {name: _mean(vals) for name, vals in totals.recall.items()},
         "recall_by_example": by_example,
+        "recall_by_ratio": {f"{r:g}": {name: _mean(vals) for name, vals in by_name.items()}
+                            for r, by_name in totals.recall_at.items()},
+        "offline_cost": {
+            name: {"ms_per_chunk": _mean(ms), "times_encode": _mean(ms) / _mean(totals.encode_ms)}
+            for name, ms in totals.rank_ms.items()
+        } if totals.encode_ms else {},
+        "encode_ms_per_chunk": _mean(totals.encode_ms),
         "random_expectation": _mean(totals.random_expected),
         "drift_share_by_decile": torch.stack(totals.profile).mean(0).tolist() if totals.profile else [],
         "high_drift_in_first15": _mean(totals.early),
@@ -246,11 +267,21 @@ def format_drift_table(report: dict) -> str:
         f"model {report['model']}, {report['examples']} examples, {report['chunks']} chunks, "
         f"ratio {report['ratio']}, alpha {report['alpha']}",
         "",
-        f"| ranker | Recall@{pct}% (chunks) | Recall@{pct}% (examples) |",
-        "|---|---|---|",
     ]
+    others = [r for r in report.get("recall_by_ratio", {}) if float(r) != report["ratio"]]
+    cost = report.get("offline_cost", {})
+    head = f"| ranker | Recall@{pct}% (chunks) | Recall@{pct}% (examples) |"
+    head += "".join(f" Recall@{round(100 * float(r))}% |" for r in others)
+    head += " offline ms / chunk | x encode |" if cost else ""
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for name, value in report["recall"].items():
-        lines.append(f"| {name} | {value:.3f} | {report['recall_by_example'].get(name, math.nan):.3f} |")
+        row = f"| {name} | {value:.3f} | {report['recall_by_example'].get(name, math.nan):.3f} |"
+        row += "".join(f" {report['recall_by_ratio'][r].get(name, math.nan):.3f} |" for r in others)
+        if cost:
+            row += f" {cost[name]['ms_per_chunk']:.1f} | {cost[name]['times_encode']:.2f} |"
+        lines.append(row)
+    if cost:
+        lines.append(f"\nencoding a chunk alone: {report['encode_ms_per_chunk']:.1f} ms on average")
     lines += [
         "",
         f"random expectation {report['random_expectation']:.3f}; "

@@ -15,7 +15,7 @@ stopped (the run's settings are checked first) and `limit` can grow a run step b
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -23,11 +23,11 @@ import torch
 from tqdm import tqdm
 
 from cachetune.engine.decode import SamplingConfig, generate_tokens
-from cachetune.engine.engine import FULL_RECOMPUTE, METHODS, PREFIX, Engine
+from cachetune.engine.engine import FULL_RECOMPUTE, METHODS, PREFIX, Engine, is_method
 from cachetune.engine.prompt import DEFAULT_SYSTEM, QUESTION_LABEL
 from cachetune.eval.datasets import QAExample
 from cachetune.eval.metrics import kl_to_reference, score_answer, top1_agreement
-from cachetune.selectors import SELECTORS, TokenSelector, get_selector
+from cachetune.selectors import TokenSelector, get_selector, is_selector
 
 DOCUMENT_SEPARATOR = "\n\n"  # appended to every document so chunks read as separate passages
 TASK_SYSTEM = {
@@ -41,29 +41,43 @@ TASK_MAX_NEW_TOKENS = {"qa": 32, "summarization": 128}
 class EvalConfig:
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     ratio: float = 0.15
+    ratios: tuple[float, ...] = ()      # several budgets: each ratio-using method once per r, "name@r"
     max_new_tokens: int | None = None  # None: per task (TASK_MAX_NEW_TOKENS)
     repeats: int = 0                    # extra timing-only passes per example, method order rotated
     warmup: bool = True                 # one untimed request per method before the first measurement
     system: str | None = None           # None: per task (TASK_SYSTEM)
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.methods if m not in METHODS]
+        unknown = [m for m in self.methods if not is_method(m)]
         if unknown:
-            raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
-        if not 0.0 <= self.ratio <= 1.0:
-            raise ValueError(f"ratio must be in [0, 1], got {self.ratio}")
+            raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}, cachetune:<ranker>")
+        for r in (self.ratio, *self.ratios):
+            if not 0.0 <= r <= 1.0:
+                raise ValueError(f"ratio must be in [0, 1], got {r}")
+        self.ratios = tuple(self.ratios)
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         # Every fidelity metric and every speedup is relative to full recompute, which runs first.
         self.methods = [FULL_RECOMPUTE] + [m for m in dict.fromkeys(self.methods) if m != FULL_RECOMPUTE]
 
     def variants(self) -> list["Variant"]:
-        return [Variant(m, m, self.ratio) for m in self.methods]
+        if not self.ratios:
+            return [Variant(m, m, self.ratio) for m in self.methods]
+        out = []
+        for m in self.methods:
+            if is_selector(m) and get_selector(m).uses_ratio:
+                out += [Variant(f"{m}@{r:g}", m, r) for r in self.ratios]
+            else:
+                out.append(Variant(m, m, self.ratio))
+        return out
 
     def run_key(self, engine: Engine) -> dict:
         """What must match for records of two runs to be merged (resume)."""
-        return {"model": engine.name, "dtype": engine.config.dtype, "ratio": self.ratio,
-                "max_new_tokens": self.max_new_tokens, "system": self.system}
+        key = {"model": engine.name, "dtype": engine.config.dtype, "ratio": self.ratio,
+               "max_new_tokens": self.max_new_tokens, "system": self.system}
+        if engine.config.ranking != "lf":  # plain "cachetune" means the configured ranking
+            key["ranking"] = engine.config.ranking
+        return key
 
 
 @dataclass(frozen=True)
@@ -105,12 +119,12 @@ def prepare(engine: Engine, example: QAExample, variants: list[Variant], system:
     system = system if system is not None else TASK_SYSTEM[example.task]
     label = "" if example.verbatim else QUESTION_LABEL
     ids = [engine.cache_chunk(doc + DOCUMENT_SEPARATOR) for doc in example.documents]
-    selectors = [get_selector(v.method) if v.method in SELECTORS else v.method for v in variants
-                 if isinstance(v.method, TokenSelector) or v.method in SELECTORS]
-    rankers = {s.ranker for s in selectors} - {None}
+    selectors = [get_selector(v.method) if isinstance(v.method, str) else v.method for v in variants
+                 if isinstance(v.method, TokenSelector) or is_selector(v.method)]
+    rankers = {s.ranker for s in selectors if s.reads_ranking}
     for cid in ids:
         for ranker in rankers:
-            engine.ranking(engine.chunk(cid), ranker)
+            engine.scores(engine.chunk(cid), ranker)
     if any(v.method == PREFIX for v in variants):
         before = engine.layout([], example.question, system, label).segments[0].token_ids
         for cid in ids:
@@ -208,8 +222,12 @@ class Setting:
     name: str = "default"
     shuffle: bool = False       # chunks in a random order (seeded by the example id)
     preamble_tokens: int = 0    # uncached unrelated text (another example's documents) before the chunks
+    other_question: bool = False  # ask another example's question (same task) over these documents
 
     def apply(self, req: _Request, filler: QAExample) -> None:
+        if self.other_question:
+            # Gold answers go with the question; over these documents only fidelity is meaningful.
+            req.example = replace(req.example, question=filler.question, answers=filler.answers)
         if self.shuffle:
             g = torch.Generator().manual_seed(sum(map(ord, req.example.id)))
             req.chunk_ids = [req.chunk_ids[i] for i in torch.randperm(len(req.chunk_ids), generator=g)]
@@ -224,7 +242,7 @@ def run_eval(engine: Engine, datasets: dict[str, list[QAExample]], cfg: EvalConf
     """Run every dataset's examples (resuming from `progress_path`); returns all records in order.
 
     `variants` default to cfg's methods at cfg.ratio. Each non-default setting is recorded as dataset
-    "<name>/<setting>". A resumed example is kept when it has every variant, and rerun otherwise."""
+    "<name>/<setting>". A resumed example keeps its measurements; variants it lacks are run and added."""
     variants = variants or cfg.variants()
     log = ProgressLog(progress_path, cfg.run_key(engine)) if progress_path else None
     todo = [(name, exs, i, setting) for name, exs in datasets.items() for i in range(len(exs)) for setting in settings]
@@ -236,16 +254,25 @@ def run_eval(engine: Engine, datasets: dict[str, list[QAExample]], cfg: EvalConf
         label = name if setting.name == "default" else f"{name}/{setting.name}"
         bar.set_postfix_str(f"{label} {ex.id}")
         old = log.done(label, ex.id) if log else None
-        if old is not None and all(v.label in old["methods"] for v in variants):
-            records.append(old)
-            continue
-        req = prepare(engine, ex, variants, cfg.system, cfg.max_new_tokens)
+        todo_variants = variants
+        if old is not None:
+            # Resume: run only the variants the record lacks, against a fresh reference (full
+            # recompute is deterministic, so its answer and logits are the ones the record used).
+            todo_variants = [v for v in variants if v.label not in old["methods"]]
+            if not todo_variants:
+                records.append(old)
+                continue
+            todo_variants = [variants[0], *todo_variants]
+        req = prepare(engine, ex, todo_variants, cfg.system, cfg.max_new_tokens)
         setting.apply(req, exs[(i + 1) % len(exs)])
         if not warm:
-            for variant in variants:  # untimed: first-call allocations and thread start-up
+            for variant in todo_variants:  # untimed: first-call allocations and thread start-up
                 req.start(variant, 1)
             warm = True
-        record = run_example(engine, req, variants, label, cfg.repeats)
+        record = run_example(engine, req, todo_variants, label, cfg.repeats)
+        if old is not None:
+            added = {k: v for k, v in record["methods"].items() if k not in old["methods"]}
+            record = {**old, "methods": {**old["methods"], **added}}
         if log:
             log.add(record)
         records.append(record)

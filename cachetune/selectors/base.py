@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol
 
 import torch
 
+from cachetune.chunks.rankers import Ranker
 from cachetune.chunks.ranking import top_share
 from cachetune.engine.forward import FuseFn
 from cachetune.engine.layout import PromptLayout
@@ -15,17 +16,25 @@ from cachetune.model.adapter import ModelAdapter
 from cachetune.store.base import StoredChunk
 
 
+class RankingSource(Protocol):
+    """Offline rankings by ranker name (None: the configured default); cachetune.Engine is one."""
+
+    def ranker(self, spec: str | None = None) -> Ranker: ...
+
+    def scores(self, chunk: StoredChunk, spec: str | None = None) -> torch.Tensor: ...
+
+
 @dataclass
 class SelectionRequest:
     """What a selector may look at: the assembled prompt, the model, and offline rankings.
 
-    `ranking(chunk, name)` returns the chunk's ranking by a named offline ranker
-    (cachetune.chunks.ranking.RANKERS); the engine computes it once per chunk and keeps it.
+    `rankings.scores(chunk, name)` is the chunk's score vector by a named offline ranker
+    (cachetune.chunks.rankers); the engine computes it once per chunk and keeps it.
     """
 
     layout: PromptLayout
     adapter: ModelAdapter
-    ranking: Callable[[StoredChunk, str], torch.Tensor]
+    rankings: RankingSource
 
     @property
     def chunks(self) -> list[StoredChunk]:
@@ -44,7 +53,9 @@ class TokenSelector(ABC):
     """
 
     name: str
-    ranker: str | None = None      # offline ranking this selector reads (precomputed by callers)
+    reads_ranking: bool = False    # reads an offline ranking (callers compute it before timing)
+    uses_ratio: bool = True        # False: selects the same tokens whatever the ratio
+    ranker: str | None = None      # which one (None: the engine's configured default)
     drops_unselected: bool = False
 
     @abstractmethod

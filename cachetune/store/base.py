@@ -19,6 +19,8 @@ class StoredChunk(ABC):
     chunk_id: str
     token_ids: torch.Tensor  # [N]
     ranking: torch.Tensor    # [N] local indices, most worth recomputing first
+    scores: torch.Tensor     # [N] float32 behind the ranking (global budgets compare them across chunks)
+    ranker: str              # the offline ranker that produced them (cachetune.chunks.rankers)
 
     @property
     def num_tokens(self) -> int:

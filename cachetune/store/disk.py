@@ -22,9 +22,10 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from cachetune.chunks.encode import ENCODING_VERSION, EncodedChunk, chunk_id
+from cachetune.chunks.ranking import ranking_from_scores
 from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
 
-FORMAT = "cachetune-chunk/1"
+FORMAT = "cachetune-chunk/2"  # /2 added the ranker name and its scores
 
 
 _ID = re.compile(r"^[0-9a-f]{32}$")
@@ -49,19 +50,21 @@ def serialize_chunk(chunk: EncodedChunk, fingerprint: str) -> bytes:
     tensors = {
         "token_ids": chunk.token_ids.to(torch.int64).contiguous(),
         "ranking": order.to(torch.int64).contiguous(),
+        "scores": chunk.scores.to(torch.float32).contiguous(),
         "keys": chunk.keys.index_select(1, order).contiguous(),
         "values": chunk.values.index_select(1, order).contiguous(),
     }
-    meta = {"format": FORMAT, "chunk_id": chunk.chunk_id, "fingerprint": fingerprint, "encoding": ENCODING_VERSION}
+    meta = {"format": FORMAT, "chunk_id": chunk.chunk_id, "fingerprint": fingerprint, "encoding": ENCODING_VERSION,
+            "ranker": chunk.ranker}
     # Tensor layout and data do not change when the metadata gains the checksum, so hash them first.
     digest = _digest(*_split(save(tensors, metadata=meta)))
     return save(tensors, metadata={**meta, "sha256": digest})
 
 
 def _check_layout(path: Path, header: dict) -> None:
-    """The four tensors exist with the dtypes and mutually consistent shapes a chunk must have."""
+    """The five tensors exist with the dtypes and mutually consistent shapes a chunk must have."""
     try:
-        ids, ranking, keys, values = (header[n] for n in ("token_ids", "ranking", "keys", "values"))
+        ids, ranking, scores, keys, values = (header[n] for n in ("token_ids", "ranking", "scores", "keys", "values"))
     except KeyError as exc:
         raise CorruptChunkError(f"{path}: missing tensor {exc}") from None
     n = ids["shape"]
@@ -69,6 +72,8 @@ def _check_layout(path: Path, header: dict) -> None:
         ids["dtype"] == ranking["dtype"] == "I64"
         and len(n) == 1
         and ranking["shape"] == n
+        and scores["dtype"] == "F32"
+        and scores["shape"] == n
         and keys["shape"] == values["shape"]
         and keys["dtype"] == values["dtype"]
         and keys["dtype"] in ("F32", "BF16", "F16")
@@ -80,11 +85,13 @@ def _check_layout(path: Path, header: dict) -> None:
 
 
 class DiskChunk(StoredChunk):
-    def __init__(self, path: Path, meta: dict, token_ids: torch.Tensor, ranking: torch.Tensor):
+    def __init__(self, path: Path, meta: dict, token_ids: torch.Tensor, ranking: torch.Tensor, scores: torch.Tensor):
         self.path = path
         self.chunk_id = meta["chunk_id"]
+        self.ranker = meta["ranker"]
         self.token_ids = token_ids
         self.ranking = ranking
+        self.scores = scores
         self._rank_of = torch.empty_like(ranking)
         self._rank_of[ranking] = torch.arange(ranking.numel())
         self._file = safe_open(str(path), framework="pt")
@@ -168,12 +175,16 @@ class DiskStore(ChunkStore):
             raise CorruptChunkError(f"{path}: checksum mismatch")
         _check_layout(path, header)
         with safe_open(str(path), framework="pt") as f:
-            token_ids, ranking = f.get_tensor("token_ids"), f.get_tensor("ranking")
+            token_ids, ranking, scores = (f.get_tensor(n) for n in ("token_ids", "ranking", "scores"))
         if meta.get("chunk_id") != expected_id or chunk_id(self.fingerprint, token_ids) != expected_id:
             raise CorruptChunkError(f"{path}: content does not match chunk id {expected_id}")
         if not torch.equal(ranking.sort().values, torch.arange(ranking.numel())):
             raise CorruptChunkError(f"{path}: ranking is not a permutation of the chunk's tokens")
-        return DiskChunk(path, meta, token_ids, ranking)
+        if not torch.equal(ranking_from_scores(scores), ranking):
+            raise CorruptChunkError(f"{path}: ranking does not follow the stored scores")
+        if not isinstance(meta.get("ranker"), str):
+            raise CorruptChunkError(f"{path}: no ranker name in the metadata")
+        return DiskChunk(path, meta, token_ids, ranking, scores)
 
     def remove(self, chunk_id: str) -> None:
         self._verified.pop(chunk_id, None)

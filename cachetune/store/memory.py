@@ -15,6 +15,8 @@ class MemoryChunk(StoredChunk):
         self.chunk_id = chunk.chunk_id
         self.token_ids = chunk.token_ids
         self.ranking = chunk.ranking
+        self.scores = chunk.scores
+        self.ranker = chunk.ranker
         self.keys = chunk.keys if device is None else chunk.keys.to(device)
         self.values = chunk.values if device is None else chunk.values.to(device)
 

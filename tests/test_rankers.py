@@ -1,0 +1,185 @@
+"""Offline rankers (cachetune.chunks.rankers): each checked against a by-hand or HF reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachetune.chunks.encode import encode_chunk
+from cachetune.chunks.kv import encode_kv
+from cachetune.chunks.probes import ProbeBank
+from cachetune.chunks.rankers import ChunkView, RankingContext, get_ranker, rank_tokens
+from cachetune.chunks.ranking import kv_drift, lf_scores, low_frequency, rank_fusion, ranking_from_scores, top_share
+from cachetune.engine.layout import PromptLayout, Segment
+from cachetune.selectors import SelectionRequest, get_selector, is_selector
+from cachetune.selectors.base import split_global_top
+from cachetune.store.memory import MemoryStore
+from conftest import FINGERPRINT, _capture_pre_rope, assert_close, rand_ids
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_adapter):
+    return tiny_adapter("llama")
+
+
+def _context(adapter, bos=None):
+    head = rand_ids(7, 70)
+    passages = [torch.cat([head, rand_ids(30 + 5 * i, 71 + i)]) for i in range(3)]
+    return RankingContext(adapter, ProbeBank(adapter, [head, *passages]), bos)
+
+
+def _view(adapter, ids, context=None):
+    k, v = encode_kv(adapter, ids)
+    return ChunkView(ids, k, v, context)
+
+
+def _hf_kv(model, ids, layers):
+    captured = _capture_pre_rope(model, ids)
+    return (torch.stack([captured[("k", i)][0] for i in range(layers)]),
+            torch.stack([captured[("v", i)][0] for i in range(layers)]))
+
+
+def test_encoding_after_a_prefix_equals_the_chunk_rows_of_one_plain_forward(llama):
+    model, adapter = llama
+    ctx = _context(adapter)
+    chunk = rand_ids(41, 1)
+    probe = ctx.probes.probe(2)
+    k, v = ctx.probes.after(2, chunk)
+    ref_k, ref_v = _hf_kv(model, torch.cat([probe.token_ids, chunk]), adapter.num_layers)
+    p = probe.token_ids.numel()
+    assert_close(ref_k[:, p:], k.flatten(2), what="keys after the probe")
+    assert_close(ref_v[:, p:], v.flatten(2), what="values after the probe")
+    alone_k, _ = _hf_kv(model, chunk, adapter.num_layers)
+    assert (alone_k[1:] - k[1:].flatten(2)).abs().max() > 1e-3  # the probe really changes the chunk's K/V
+
+
+def test_probe_scores_are_the_drift_from_alone_to_after_the_probe_averaged_over_probes(llama):
+    _, adapter = llama
+    ctx = _context(adapter)
+    chunk = rand_ids(50, 2)
+    view = _view(adapter, chunk, ctx)
+    drifts = [kv_drift(view.keys, view.values, *ctx.probes.after(i, chunk)) for i in (1, 2)]
+    assert_close(drifts[0], get_ranker("probe").scores(view))
+    assert_close((drifts[0] + drifts[1]) / 2, get_ranker("probe:2").scores(view))
+    head = kv_drift(view.keys, view.values, *ctx.probes.after(0, chunk))
+    assert_close(head, get_ranker("probe_head").scores(view))
+    get_ranker("probe:3").scores(view)  # the bank holds the head and three passages
+    with pytest.raises(ValueError, match="needs 5 probes"):
+        get_ranker("probe:4").scores(view)
+    with pytest.raises(ValueError, match="RankingContext"):
+        get_ranker("probe").scores(_view(adapter, chunk))
+
+
+def test_lf_v0_is_the_low_pass_of_layer0_values_with_a_bos_row_and_a_global_budget(llama):
+    _, adapter = llama
+    ids = rand_ids(33, 4)
+    view = _view(adapter, ids, _context(adapter, bos=1))
+    _, _, bos_v = adapter.project_qkv(0, adapter.embed(torch.tensor([1])))
+    rows = torch.cat([bos_v.flatten(1), view.values[0].flatten(1)]).float()
+    expected = low_frequency(rows, 0.25).norm(dim=1)[1:]
+    ranker = get_ranker("lf_v0")
+    assert_close(expected, ranker.scores(view))
+    assert ranker.global_budget
+    no_bos = low_frequency(view.values[0].flatten(1).float(), 0.25).norm(dim=1)
+    assert_close(no_bos, ranker.scores(_view(adapter, ids, _context(adapter, bos=None))))
+
+
+def test_fusion_is_reciprocal_rank_fusion_of_its_parts(llama):
+    _, adapter = llama
+    view = _view(adapter, rand_ids(25, 5), _context(adapter))
+    first = get_ranker("first").scores(view)
+    probe = get_ranker("probe").scores(view)
+    fused = get_ranker("first+probe").scores(view)
+    rank_first = torch.arange(1, 26).float()
+    rank_probe = torch.empty(25)
+    rank_probe[ranking_from_scores(probe)] = torch.arange(1, 26).float()
+    assert_close(1 / (60 + rank_first) + 1 / (60 + rank_probe), fused)
+    assert torch.equal(rank_fusion([first]), 1 / (60 + rank_first))
+    assert get_ranker("first+probe").name == "first+probe" and get_ranker("first+probe").needs_model
+    with pytest.raises(ValueError, match="globally budgeted"):
+        get_ranker("lf_v0+probe")
+
+
+def test_ranker_names_parse_and_unknown_ones_fail_clearly():
+    assert get_ranker("lf").name == "lf" and get_ranker("lf:0.5").name == "lf"
+    assert get_ranker("lf", alpha=0.3).name == "lf:0.3"  # a non-default cutoff is another ranking
+    assert get_ranker("first_k").name == "first"
+    for bad, msg in [("nope", "unknown ranker"), ("probe:0", "probe count"), ("lf:2", "alpha"),
+                     ("probe:x", "bad ranker")]:
+        with pytest.raises(ValueError, match=msg):
+            get_ranker(bad)
+
+
+def test_kv_only_rankers_agree_with_their_functions(llama):
+    _, adapter = llama
+    view = _view(adapter, rand_ids(40, 6))
+    assert torch.equal(rank_tokens("lf", view.keys, view.values, view.token_ids),
+                       ranking_from_scores(lf_scores(view.keys, view.values)))
+    assert torch.equal(rank_tokens("first", view.keys, view.values, view.token_ids), torch.arange(40))
+
+
+def test_encode_chunk_stores_the_given_rankers_scores_and_name(llama):
+    _, adapter = llama
+    ctx = _context(adapter)
+    ids = rand_ids(45, 7)
+    enc = encode_chunk(adapter, ids, FINGERPRINT, get_ranker("probe"), ctx)
+    expected = get_ranker("probe").scores(_view(adapter, ids, ctx))
+    assert enc.ranker == "probe"
+    assert_close(expected, enc.scores)
+    assert torch.equal(enc.ranking, ranking_from_scores(enc.scores))
+    default = encode_chunk(adapter, ids, FINGERPRINT)
+    assert default.ranker == "lf" and torch.equal(default.ranking, ranking_from_scores(lf_scores(enc.keys, enc.values)))
+    assert torch.equal(default.keys, enc.keys)  # the ranking never changes the stored K/V
+
+
+class _Source:
+    """A RankingSource over stored chunks with a configurable default ranker."""
+
+    def __init__(self, adapter, default, context=None):
+        self.adapter, self.default, self.context = adapter, default, context
+
+    def ranker(self, spec=None):
+        return get_ranker(spec or self.default)
+
+    def scores(self, chunk, spec=None):
+        every = torch.arange(chunk.num_tokens)
+        kv = [chunk.load_layer(i, every) for i in range(self.adapter.num_layers)]
+        view = ChunkView(chunk.token_ids, torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv]),
+                         self.context)
+        return self.ranker(spec).scores(view)
+
+
+def _layout(adapter, sizes=(30, 50, 20)):
+    store = MemoryStore()
+    segments = [Segment(rand_ids(5, 90))]
+    for i, n in enumerate(sizes):
+        enc = encode_chunk(adapter, rand_ids(n, 80 + i), FINGERPRINT)
+        store.put(enc)
+        segments.append(Segment(enc.token_ids, store.get(enc.chunk_id)))
+    return PromptLayout([*segments, Segment(rand_ids(4, 91))])
+
+
+def test_cachetune_method_reads_the_default_or_the_named_ranking(llama):
+    _, adapter = llama
+    ctx = _context(adapter)
+    layout = _layout(adapter)
+    request = SelectionRequest(layout, adapter, _Source(adapter, "probe", ctx))
+    chunks = request.chunks
+    default = get_selector("cachetune").select(request, 0.2)
+    named = get_selector("cachetune:first").select(request, 0.2)
+    probe_expected = [top_share(ranking_from_scores(request.rankings.scores(c, "probe")), 0.2) for c in chunks]
+    assert all(torch.equal(a, b) for a, b in zip(default, probe_expected))
+    assert all(torch.equal(a, torch.arange(round(0.2 * c.num_tokens))) for a, c in zip(named, chunks))
+    assert is_selector("cachetune:probe+lf") and not is_selector("cachetune:nope")
+
+
+def test_a_globally_budgeted_ranking_selects_top_r_over_all_chunks(llama):
+    _, adapter = llama
+    layout = _layout(adapter)
+    request = SelectionRequest(layout, adapter, _Source(adapter, "lf_v0", _context(adapter)))
+    got = get_selector("cachetune").select(request, 0.2)
+    scores = [request.rankings.scores(c, "lf_v0") for c in request.chunks]
+    expected = split_global_top(scores, 0.2)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert sum(g.numel() for g in got) == round(0.2 * 100)
+    assert [g.numel() for g in got] != [6, 10, 4]  # not a per-chunk split (scores differ across chunks)
