@@ -64,11 +64,20 @@ RATIOS := 0.05,0.1,0.15,0.3
 rankers: install
 	$(VENV)/bin/cachetune analyze drift --threads 2 --limit 5 --rankers $(DRIFT_RANKERS) --ratios $(RATIOS) \
 		--out results/smollm2/rankers
-	for d in musique multi_news; do $(VENV)/bin/cachetune eval --threads 2 --data $$d --limit 6 --ranking lf \
-		--methods $(RANKED_METHODS) --ratios $(RATIOS) --json results/smollm2/rankers/eval_$$d.json \
-		--plots results/smollm2/rankers/$$d || exit 1; done
-	$(VENV)/bin/cachetune analyze robustness --threads 2 --limit 3 --rankers lf,probe,first,random \
+	for d in musique:5 multi_news:2; do $(VENV)/bin/cachetune eval --threads 2 --data $${d%:*} --limit $${d#*:} \
+		--ranking lf --methods $(RANKED_METHODS) --ratios $(RATIOS) --json results/smollm2/rankers/eval_$${d%:*}.json \
+		--plots results/smollm2/rankers/$${d%:*} || exit 1; done
+	$(VENV)/bin/cachetune analyze robustness --threads 2 --limit 2 --rankers lf,probe,first+probe,first,random \
 		--out results/smollm2/rankers
+
+# The Qwen part: drift recall, then the new rankings added to the issue-3 MuSiQue run (only the
+# variants an example lacks are run; --ranking lf keeps plain `cachetune` the paper's ranking there).
+rankers-qwen: qwen
+	$(VENV)/bin/cachetune analyze drift --model qwen2.5-coder-1.5b --dtype bfloat16 --threads 2 --limit 2 \
+		--rankers lf,lf_v0,highfreq,random,first,probe,probe_head --ratios 0.05,0.1,0.3 --out results/qwen/rankers
+	$(VENV)/bin/cachetune eval --model qwen2.5-coder-1.5b --dtype bfloat16 --threads 2 --data musique \
+		--limit 30 --ranking lf --methods $(QWEN_METHODS),cachetune:probe,cachetune:probe_head,cachetune:first+probe,cachetune:first \
+		--json results/qwen/eval_musique.json --plots results/qwen/musique
 
 # The paper's analyses (drift recall, spectrum, attention, r/alpha sweeps, frozen-ranking robustness).
 analyze: install

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from cachetune.chunks.rankers import DEFAULT_RANKER
 from cachetune.config import DTYPES, EngineConfig
 
 
@@ -19,7 +20,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", choices=["memory", "disk"])
     p.add_argument("--store-dir")
     p.add_argument("--ranking", help="offline ranker stored with each chunk and read by the cachetune method "
-                                     "(lf, lf_v0, probe, probe:2, first, hybrids like first+probe; default probe)")
+                                     "(lf, lf_v0, probe, probe_head, first, hybrids like first+probe; "
+                                     f"default {DEFAULT_RANKER})")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false", default=None,
                    help="load each layer's reused KV only when it is needed (no overlap)")
 
@@ -74,7 +76,7 @@ def _datasets(args, default: str) -> dict:
 def cmd_eval(args) -> int:
     from cachetune.eval.datasets import bundled_sample_path
     from cachetune.eval.harness import EvalConfig, config_dict, run_eval
-    from cachetune.eval.report import format_tables, plot_tradeoff, summarize_records, write_json
+    from cachetune.eval.report import format_tables, plot_ratio_curves, plot_tradeoff, summarize_records, write_json
 
     datasets = _datasets(args, str(bundled_sample_path()))
     cfg = EvalConfig(methods=_methods(args.methods), ratio=args.ratio, ratios=_floats(args.ratios),
@@ -96,8 +98,9 @@ def cmd_eval(args) -> int:
         Path(args.json).with_suffix(".md").write_text(table + "\n")
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plots:
-        for path in plot_tradeoff(report, args.plots):
-            print(f"wrote {path}", file=sys.stderr)
+        for path in [*plot_tradeoff(report, args.plots), plot_ratio_curves(report, args.plots)]:
+            if path is not None:
+                print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

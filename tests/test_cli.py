@@ -95,18 +95,20 @@ def test_eval_adds_only_the_missing_methods_to_resumed_examples(qa_file, tmp_pat
     grown = json.loads(out.read_text())["examples"][0]["methods"]
     assert grown["full_reuse"] == first["full_reuse"] and grown["full_recompute"] == first["full_recompute"]
     assert set(grown) == {"full_recompute", "full_reuse", "cachetune:first"}
+    assert len(grown["cachetune:first"]["full_ttft_ms"]) == 1  # its own reference timing
 
 
 def test_eval_runs_ratio_methods_once_per_ratio(qa_file, tmp_path):
     out = tmp_path / "eval.json"
     code = main(["eval", "--data", str(qa_file), "--methods", "epic,cacheblend,cachetune:probe", "--ratios",
-                 "0.1,1.0", "--max-new-tokens", "3", "--json", str(out)])
+                 "0.1,1.0", "--max-new-tokens", "3", "--json", str(out), "--plots", str(tmp_path)])
     assert code == 0
     rows = _rows(json.loads(out.read_text()))
     assert set(rows) == {"full_recompute", "epic", "cacheblend@0.1", "cacheblend@1", "cachetune:probe@0.1",
                          "cachetune:probe@1"}
     assert rows["cachetune:probe@1"]["kl_to_full"] < 1e-4 and rows["cacheblend@1"]["kl_to_full"] < 1e-4
     assert rows["cachetune:probe@0.1"]["recomputed_share"] < 0.2
+    assert (tmp_path / "fidelity_vs_ratio.png").stat().st_size > 0
 
 
 def test_drift_reports_recall_per_ratio_and_offline_cost(qa_file, tmp_path):

@@ -146,3 +146,12 @@ def test_cachetune_ranking_parameter_names_the_offline_ranker(engine):
         engine.prefill(layout, "epic", 0.3, ranking="first")
     with pytest.raises(ValueError, match="unknown method"):
         engine.prefill(layout, "cachetune:nope", 0.3)
+
+
+def test_hybrid_rankings_reuse_their_parts(engine):
+    stored = engine.chunk(engine.cache_chunk(DOCS[1]))
+    from cachetune.chunks.ranking import rank_fusion
+
+    fused = engine.scores(stored, "first+probe")
+    assert torch.equal(fused, rank_fusion([engine.scores(stored, "first"), engine.scores(stored, "probe")]))
+    assert (stored.chunk_id, "probe") in engine._scores or stored.ranker == "probe"

@@ -67,6 +67,16 @@ def test_summary_ratios_percentiles_and_quality_relative_to_full():
     json.dumps(report)  # JSON-ready
 
 
+def test_a_variant_added_on_resume_is_timed_against_its_own_full_recompute():
+    records = [_record("d", 0, [1000.0], [10.0]), _record("d", 1, [1000.0], [20.0])]
+    for rec, reference in zip(records, ([60.0], [80.0])):
+        rec["methods"]["fast"]["full_ttft_ms"] = reference  # the reference timed in the adding pass
+    (summary,) = summarize_records(records, ["full_recompute", "fast"]).values()
+    rows = {r["method"]: r for r in summary["results"]}
+    assert rows["fast"]["speedup_vs_full"] == pytest.approx(70.0 / 15.0)
+    assert rows["full_recompute"]["speedup_vs_full"] == 1.0
+
+
 class _FakeEngine:
     def tokenize(self, text):
         return torch.arange(len(text.split()))

@@ -38,8 +38,10 @@ from cachetune.chunks.ranking import (
 )
 from cachetune.model.adapter import ModelAdapter
 
-# The default of EngineConfig.ranking: the ranker that measured best on fidelity (docs/results.md).
-DEFAULT_RANKER = "probe"
+# The default of EngineConfig.ranking: the ranker with the lowest KL to full recompute at r = 0.15
+# across both models and datasets measured (docs/results.md, issue 4). The probe finds more of the
+# high-drift tokens, but position gave equal or better fidelity, at no offline cost.
+DEFAULT_RANKER = "first"
 
 
 @dataclass
@@ -112,28 +114,26 @@ class PrototypeLFRanker(Ranker):
 
 
 class ProbeRanker(Ranker):
-    """Drift of each token's K/V between the chunk alone and after each of `count` probes, averaged."""
+    """Drift of each token's K/V between the chunk alone and after each of the given probes, averaged.
+
+    `probes` index the engine's ProbeBank: 0 is the prompt head alone, 1.. the head plus a passage."""
 
     needs_model = True
 
-    def __init__(self, name: str, indices: list[int] | None):
-        self.name, self.indices = name, indices  # None: the prompt head alone (probe_head)
+    def __init__(self, name: str, probes: list[int]):
+        self.name, self.probes = name, probes
 
     def scores(self, view: ChunkView) -> torch.Tensor:
         ctx = view.context
         if ctx is None:
             raise ValueError(f"ranker {self.name!r} runs the model: the chunk view needs a RankingContext")
-        bank = ctx.probes
-        indices = self.indices if self.indices is not None else [-1]
-        for i in indices:
-            if not -1 <= i < len(bank) - 1:
-                raise ValueError(f"ranker {self.name!r} needs {i + 2} probes; the bank has {len(bank)}")
+        if max(self.probes) >= len(ctx.probes):
+            raise ValueError(f"ranker {self.name!r} needs {max(self.probes) + 1} probes; the bank has {len(ctx.probes)}")
         total = torch.zeros(view.token_ids.numel())
-        for i in indices:
-            # bank index 0 is the prompt head alone; passages follow it
-            k, v = bank.after(i + 1, view.token_ids)
+        for i in self.probes:
+            k, v = ctx.probes.after(i, view.token_ids)
             total += kv_drift(view.keys, view.values, k, v).cpu()
-        return total / len(indices)
+        return total / len(self.probes)
 
 
 class FusionRanker(Ranker):
@@ -169,7 +169,7 @@ def _simple(base: str, arg: str, alpha: float) -> Ranker | None:
             count = int(arg)
             if count < 1:
                 raise ValueError("probe count must be >= 1")
-            return ProbeRanker(f"probe:{count}", list(range(count)))
+            return ProbeRanker(f"probe:{count}", list(range(1, count + 1)))
         return None
     simple = {
         "l2": lambda: FunctionRanker("l2", lambda v: magnitude_scores(v.keys, v.values)),
@@ -177,8 +177,8 @@ def _simple(base: str, arg: str, alpha: float) -> Ranker | None:
         "first": lambda: FunctionRanker("first", _position_scores),
         "first_k": lambda: FunctionRanker("first", _position_scores),
         "lf_v0": PrototypeLFRanker,
-        "probe": lambda: ProbeRanker("probe", [0]),
-        "probe_head": lambda: ProbeRanker("probe_head", None),
+        "probe": lambda: ProbeRanker("probe", [1]),
+        "probe_head": lambda: ProbeRanker("probe_head", [0]),
     }
     return simple[base]() if base in simple else None
 

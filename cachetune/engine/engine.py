@@ -19,8 +19,8 @@ import torch
 
 from cachetune.chunks.encode import chunk_id, encode_chunk
 from cachetune.chunks.probes import PROBE_PASSAGES, ProbeBank
-from cachetune.chunks.rankers import ChunkView, Ranker, RankingContext, get_ranker
-from cachetune.chunks.ranking import ranking_from_scores
+from cachetune.chunks.rankers import ChunkView, FusionRanker, Ranker, RankingContext, get_ranker
+from cachetune.chunks.ranking import rank_fusion, ranking_from_scores
 from cachetune.config import EngineConfig
 from cachetune.engine.ape import APEConfig, ape_prefill
 from cachetune.engine.decode import SamplingConfig, generate_tokens
@@ -177,6 +177,9 @@ class Engine:
         if chunk.ranker == ranker.name:
             return chunk.scores
         key = (chunk.chunk_id, ranker.name)
+        if key not in self._scores and isinstance(ranker, FusionRanker):
+            # A hybrid's parts are rankings in their own right: reuse (and keep) theirs.
+            self._scores[key] = rank_fusion([self.scores(chunk, part.name) for part in ranker.parts])
         if key not in self._scores:
             every = torch.arange(chunk.num_tokens)
             layers = [chunk.load_layer(layer, every) for layer in range(self.adapter.num_layers)]

@@ -22,7 +22,8 @@ def summarize_records(records: list[dict], methods: list[str]) -> dict[str, dict
     quality: mean F1 (QA) or ROUGE-L (summarization) against the gold answers; kl_to_full: mean over
     examples of the mean next-token KL(full || method) along full recompute's answer; top1_agree: over
     all those positions; ttft: median and p95 over every timed request; speedup_vs_full: median TTFT of
-    full recompute / median TTFT of the method, both from the same run.
+    full recompute / median TTFT of the method, both from the same run (for a variant added to resumed
+    examples, the full recompute timed in the pass that added it: `full_ttft_ms`).
     """
     by_dataset: dict[str, list[dict]] = {}
     for rec in records:
@@ -30,8 +31,6 @@ def summarize_records(records: list[dict], methods: list[str]) -> dict[str, dict
     out = {}
     for name, recs in by_dataset.items():
         task = recs[0]["task"]
-        full = _pooled(recs, FULL_RECOMPUTE, "ttft_ms")
-        full_median = statistics.median(full)
         full_quality = statistics.fmean(r["methods"][FULL_RECOMPUTE]["score"] for r in recs)
         rows = []
         for method in methods:
@@ -39,6 +38,11 @@ def summarize_records(records: list[dict], methods: list[str]) -> dict[str, dict
                 continue
             per = [r["methods"][method] for r in recs]
             ttft = summarize(_pooled(recs, method, "ttft_ms"))
+            # A variant added to a resumed example carries the full recompute timed with it.
+            full_median = statistics.median(
+                x for r in recs
+                for x in r["methods"][method].get("full_ttft_ms", r["methods"][FULL_RECOMPUTE]["ttft_ms"])
+            )
             quality = statistics.fmean(p["score"] for p in per)
             rows.append({
                 "method": method,
@@ -144,3 +148,32 @@ def plot_tradeoff(report: dict, out_dir: str | Path) -> list[Path]:
         title = f"{report['model']} {report['dtype']}, r={report['config']['ratio']}"
         written.append(save_figure(fig, out_dir / fname, title))
     return written
+
+
+def plot_ratio_curves(report: dict, out_dir: str | Path) -> Path | None:
+    """KL to full against the budget r for every method run at several ratios ("name@r" labels);
+    methods without a budget (full reuse, EPIC's fixed k) are horizontal lines. None if no such run."""
+    rows = {name: ds["results"] for name, ds in report["datasets"].items()}
+    if not any("@" in r["method"] for results in rows.values() for r in results):
+        return None
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows) + 2, 4.5), squeeze=False)
+    for ax, (name, results) in zip(axes[0], rows.items()):
+        curves: dict[str, list[tuple[float, float]]] = {}
+        for r in results:
+            base, at, ratio = r["method"].partition("@")
+            if at:
+                curves.setdefault(base, []).append((float(ratio), r["kl_to_full"]))
+            elif base != "full_recompute":
+                ax.axhline(r["kl_to_full"], linestyle="--", linewidth=1, color="gray")
+                ax.annotate(base, (0.01, r["kl_to_full"]), xycoords=("axes fraction", "data"), fontsize=7,
+                            color="gray", va="bottom")
+        for i, (base, points) in enumerate(curves.items()):
+            xs, ys = zip(*sorted(points))
+            ax.plot(xs, ys, marker="osD^v<>ph*"[i % 10], color=plt.cm.tab10(i % 10), label=base)
+        ax.set_xlabel("recomputed share r")
+        ax.set_ylabel("KL to full recompute (lower is better)")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    return save_figure(fig, Path(out_dir) / "fidelity_vs_ratio.png", f"{report['model']} {report['dtype']}")
