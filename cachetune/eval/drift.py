@@ -33,8 +33,6 @@ from tqdm import tqdm
 from cachetune.chunks.kv import encode_kv
 from cachetune.chunks.rankers import ChunkView, get_ranker
 from cachetune.chunks.ranking import NOISE_FLOOR, kv_drift, layer_drift, lf_scores, ranking_from_scores, top_share
-from cachetune.engine.forward import forward_active
-from cachetune.engine.kv_cache import KVCache
 from cachetune.engine.layout import PromptLayout
 from cachetune.eval.harness import DOCUMENT_SEPARATOR
 from cachetune.eval.datasets import QAExample
@@ -52,24 +50,9 @@ DRIFT_DEFINITION = (
 )
 
 
-@torch.no_grad()
 def context_kv(adapter: ModelAdapter, layout: PromptLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """Pre-RoPE keys and values [L, T, Hkv, D] of every prompt token, encoded in full context."""
-    ids = layout.input_ids.to(adapter.device)
-    t = ids.numel()
-    shape = (adapter.num_layers, t, adapter.num_kv_heads, adapter.head_dim)
-    keys = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
-    values = torch.empty_like(keys)
-
-    def capture(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        keys[layer] = k
-        values[layer] = v
-
-    pos = torch.arange(t, device=adapter.device)
-    cache = KVCache.empty(*shape, dtype=adapter.dtype, device=adapter.device)
-    # last_only: every layer still captures all tokens' K/V; only the unused final outputs are skipped.
-    forward_active(adapter, adapter.embed(ids), pos, cache, adapter.rope_tables(pos), capture=capture, last_only=True)
-    return keys, values
+    return encode_kv(adapter, layout.input_ids)
 
 
 def recall_at(selected: torch.Tensor, reference: torch.Tensor) -> float:
