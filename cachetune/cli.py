@@ -16,6 +16,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="EngineConfig as .json or .toml; the flags below override it")
     p.add_argument("--model", help="preset (smollm2-135m, qwen2.5-coder-1.5b), HF directory or .gguf file")
     p.add_argument("--dtype", choices=sorted(DTYPES))
+    p.add_argument("--device", help="auto (default: a CUDA GPU when present), cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--store", choices=["memory", "disk"])
     p.add_argument("--store-dir")
@@ -29,7 +30,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _engine(args):
     from cachetune.engine.engine import Engine
 
-    overrides = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
+    overrides = {"model": args.model, "dtype": args.dtype, "device": args.device, "threads": args.threads,
                  "store": args.store, "store_dir": args.store_dir, "prefetch": args.prefetch,
                  "ranking": args.ranking}
     if args.config:
@@ -88,7 +89,8 @@ def cmd_eval(args) -> int:
         if args.fresh and progress_path.exists():
             progress_path.unlink()
     records = run_eval(engine, datasets, cfg, progress_path)
-    report = {"model": engine.name, "dtype": engine.config.dtype, "threads": torch.get_num_threads(),
+    report = {"model": engine.name, "dtype": engine.config.dtype, "device": str(engine.adapter.device),
+              "threads": torch.get_num_threads(),
               "config": config_dict(cfg), "datasets": summarize_records(records, [v.label for v in cfg.variants()]),
               "examples": records}
     table = format_tables(report)

@@ -19,7 +19,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class EngineConfig:
     model: str | None = None        # preset name, HF directory or .gguf path; None = smollm2-135m
     dtype: str = "float32"          # exactness tests use float32; bfloat16 is ~3x faster on AMX CPUs
-    device: str = "cpu"
+    device: str = "auto"            # "auto" = the first CUDA GPU when there is one, else CPU; or e.g. "cuda:1"
     threads: int | None = None      # torch intra-op threads; None leaves torch's default
     alpha: float = 0.5              # share of low frequencies kept by the `lf` ranking
     ranking: str = DEFAULT_RANKER   # offline ranker stored with each chunk (cachetune.chunks.rankers)
@@ -38,10 +38,21 @@ class EngineConfig:
         get_ranker(self.ranking, self.alpha)  # raises a clear error for an unknown ranker
         if self.threads is not None and self.threads < 1:
             raise ValueError("threads must be >= 1")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError as exc:
+                raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}") from exc
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides) -> "EngineConfig":

@@ -1,5 +1,8 @@
 """Shared builders for the engine tests: tiny random-weight models (no download) and prompt layouts.
 
+CACHETUNE_TEST_DEVICE=cuda runs the tiny models (and the engine, whose device defaults to a GPU when
+there is one) on a GPU; references are then computed there too. CI runs on the CPU.
+
 Models use initializer_range=0.2 so attention is far from uniform: with HF's default 0.02 a key at a
 wrong position barely moves the logits and an exactness test could not fail. Everything is float32 and
 seeded; references are always Hugging Face's own forward, never cachetune code.
@@ -8,6 +11,7 @@ seeded; references are always Hugging Face's own forward, never cachetune code.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -27,6 +31,7 @@ from cachetune.model.adapter import ModelAdapter
 from cachetune.store.memory import MemoryStore
 
 VOCAB = 300
+TEST_DEVICE = torch.device(os.environ.get("CACHETUNE_TEST_DEVICE", "cpu"))
 FINGERPRINT = "fp"
 
 _COMMON = dict(
@@ -82,7 +87,7 @@ def make_config(family: str):
 def _build(family: str, seed: int):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(make_config(family), attn_implementation="sdpa").eval()
-    model.float()
+    model.float().to(TEST_DEVICE)
     for p in model.parameters():
         p.requires_grad_(False)
     return model
@@ -141,7 +146,7 @@ def layout_builder():
 
 def rel_err(ref: torch.Tensor, got: torch.Tensor) -> float:
     """max |ref - got| / max |ref| (NaN-safe: NaN gives inf)."""
-    ref, got = ref.detach().float(), got.detach().float()
+    ref, got = ref.detach().float().cpu(), got.detach().float().cpu()
     err = float((ref - got).abs().max() / ref.abs().max().clamp_min(1e-12))
     return err if err == err else float("inf")
 
@@ -162,8 +167,8 @@ def hf_forward(model, ids: torch.Tensor, position_ids: torch.Tensor | None = Non
     cache = cache if cache is not None else DynamicCache()
     kwargs = {}
     if position_ids is not None:
-        kwargs["position_ids"] = position_ids[None]
-    out = model(input_ids=ids[None], cache=cache, use_cache=True, **kwargs)
+        kwargs["position_ids"] = position_ids[None].to(model.device)
+    out = model(input_ids=ids[None].to(model.device), cache=cache, use_cache=True, **kwargs)
     return out.logits[0].float(), cache
 
 

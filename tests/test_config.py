@@ -20,10 +20,20 @@ def test_config_loads_from_toml_and_json_with_overrides(tmp_path):
     assert EngineConfig.from_file(js).prefetch is False
 
 
-@pytest.mark.parametrize("bad", [{"dtype": "int8"}, {"store": "tape"}, {"alpha": 0.0}, {"threads": 0}, {"ranking": "nope"}])
+@pytest.mark.parametrize("bad", [{"dtype": "int8"}, {"store": "tape"}, {"alpha": 0.0}, {"threads": 0}, {"ranking": "nope"},
+                                 {"device": "gpu0"}])
 def test_config_rejects_invalid_values(bad):
     with pytest.raises(ValueError):
         EngineConfig(**bad)
+
+
+def test_device_auto_takes_a_gpu_only_when_there_is_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert EngineConfig().torch_device == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert EngineConfig().torch_device == torch.device("cuda")
+    assert EngineConfig(device="cpu").torch_device == torch.device("cpu")
+    assert EngineConfig(device="cuda:1").torch_device == torch.device("cuda", 1)
 
 
 def test_config_file_with_unknown_key_is_rejected(tmp_path):

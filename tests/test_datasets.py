@@ -383,3 +383,14 @@ def test_minilongbench_news_passages_equal_the_longbench_jsonl_split(shared: Pat
     full = {tuple(ex.documents): ex.answers for ex in load_dataset("multi_news")}
     for ex in load_dataset("lb_multi_news"):
         assert full[tuple(ex.documents)] == ex.answers
+
+
+def test_data_dir_can_be_moved_with_an_environment_variable(tmp_path, monkeypatch):
+    (tmp_path / "musique").mkdir()
+    (tmp_path / "musique" / "musique_s.json").write_text(bundled_sample_path().read_text())
+    monkeypatch.setenv("CACHETUNE_DATA_DIR", str(tmp_path))
+    assert shared_data_dir() == tmp_path
+    assert [ex.id for ex in load_dataset("musique", limit=2)] == ["musique-0", "musique-1"]
+    monkeypatch.setenv("CACHETUNE_DATA_DIR", str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="missing"):
+        load_dataset("musique")

@@ -80,7 +80,7 @@ def _chunk_drift(adapter, layout):
     alone = [seg.chunk.load_layer(layer, idx) for layer in range(adapter.num_layers)]
     k = torch.stack([a for a, _ in alone])
     v = torch.stack([b for _, b in alone])
-    ck, cv = ctx_k[:, start : start + n], ctx_v[:, start : start + n]
+    ck, cv = ctx_k[:, start : start + n].cpu(), ctx_v[:, start : start + n].cpu()  # the store keeps chunks on the CPU
     return layer_drift(k, ck), layer_drift(v, cv), kv_drift(k, v, ck, cv), ck
 
 

@@ -108,7 +108,7 @@ def test_epic_recomputes_the_first_k_tokens_of_every_chunk_whatever_the_ratio(ll
 
 
 def _layer_input(model, ids, layer):
-    out = model(input_ids=ids[None], output_hidden_states=True)
+    out = model(input_ids=ids[None].to(model.device), output_hidden_states=True)
     return out.hidden_states[layer][0]  # input of decoder layer `layer`
 
 
@@ -124,7 +124,7 @@ def test_online_deviation_selection_matches_hf_layer_one(llama, name, kind):
     devs = []
     for start, seg in layout.chunk_segments:
         k, v = seg.chunk.load_layer(1, torch.arange(seg.chunk.num_tokens))
-        old = (v if kind == "v" else k).flatten(1)
+        old = (v if kind == "v" else k).flatten(1).to(fresh.device)
         devs.append((fresh[start:start + seg.chunk.num_tokens] - old).pow(2).sum(dim=1))
     expected = split_global_top(devs, 0.15)
     got = _select(name, adapter, layout, 0.15)
@@ -138,7 +138,7 @@ def test_prophetkv_scores_are_the_questions_attention_averaged_over_layers(llama
     layout, _ = build_layout(adapter, parts)
     model.config._attn_implementation = "eager"
     try:
-        out = model(input_ids=layout.input_ids[None], output_attentions=True)
+        out = model(input_ids=layout.input_ids[None].to(model.device), output_attentions=True)
     finally:
         model.config._attn_implementation = "sdpa"
     attn = torch.stack(out.attentions)[:, 0]          # [layers, heads, T, T]

@@ -113,9 +113,9 @@ def test_ranker_names_parse_and_unknown_ones_fail_clearly():
 def test_kv_only_rankers_agree_with_their_functions(llama):
     _, adapter = llama
     view = _view(adapter, rand_ids(40, 6))
-    assert torch.equal(rank_tokens("lf", view.keys, view.values, view.token_ids),
-                       ranking_from_scores(lf_scores(view.keys, view.values)))
-    assert torch.equal(rank_tokens("first", view.keys, view.values, view.token_ids), torch.arange(40))
+    assert torch.equal(rank_tokens("lf", view.keys, view.values, view.token_ids).cpu(),
+                       ranking_from_scores(lf_scores(view.keys, view.values)).cpu())
+    assert torch.equal(rank_tokens("first", view.keys, view.values, view.token_ids).cpu(), torch.arange(40))
 
 
 def test_encode_chunk_stores_the_given_rankers_scores_and_name(llama):

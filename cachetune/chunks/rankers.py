@@ -131,7 +131,7 @@ class ProbeRanker(Ranker):
             raise ValueError(f"ranker {self.name!r} needs {max(self.probes) + 1} probes; the bank has {len(ctx.probes)}")
         total = torch.zeros(view.token_ids.numel())
         for i in self.probes:
-            k, v = ctx.probes.after(i, view.token_ids)
+            k, v = (x.to(view.keys.device) for x in ctx.probes.after(i, view.token_ids))
             total += kv_drift(view.keys, view.values, k, v).cpu()
         return total / len(self.probes)
 

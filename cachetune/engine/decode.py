@@ -35,7 +35,8 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
         sorted_p, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < cfg.top_p  # always keeps the top token
         probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=generator))
+    # The seeded generator lives on the CPU (same samples on every device): draw there.
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
 @torch.no_grad()

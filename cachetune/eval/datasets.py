@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import random
 import re
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 TASKS = ("qa", "summarization")
+# Where the registered datasets live when not beside the checkout (e.g. a copy on another machine).
+DATA_DIR_ENV = "CACHETUNE_DATA_DIR"
 
 # LongBench's closing instruction for multi_news; the documents come first, so it is the question.
 MULTI_NEWS_INSTRUCTION = "Now, write a one-page summary of all the news."
@@ -273,13 +276,15 @@ def bundled_sample_path() -> Path:
 
 
 def shared_data_dir() -> Path | None:
-    """`<repo root>/../shared/data` when it exists (a source checkout next to the shared data), else None."""
+    """$CACHETUNE_DATA_DIR, else `<repo root>/../shared/data` (a source checkout next to the shared data),
+    when it exists; else None."""
     candidate = _default_data_dir()
     return candidate if candidate.is_dir() else None
 
 
 def _default_data_dir() -> Path:
-    return Path(__file__).resolve().parents[3] / "shared" / "data"
+    override = os.environ.get(DATA_DIR_ENV)
+    return Path(override) if override else Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 def _detect_loader(path: Path) -> Loader:

@@ -77,6 +77,8 @@ class EvalConfig:
                "max_new_tokens": self.max_new_tokens, "system": self.system}
         if engine.config.ranking != "lf":  # plain "cachetune" means the configured ranking
             key["ranking"] = engine.config.ranking
+        if engine.adapter.device.type != "cpu":  # GPU timings must not merge with CPU ones
+            key["device"] = engine.adapter.device.type
         return key
 
 

@@ -83,7 +83,7 @@ class ModelAdapter:
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> hidden [T, hidden] (Gemma's scaled embedding is part of its module)."""
-        return self.backbone.embed_tokens(ids)
+        return self.backbone.embed_tokens(ids.to(self.device))
 
     def rope_tables(self, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
         """cos/sin [T, D] at `positions` for every RoPE kind the layers use, in the model dtype."""
