@@ -60,10 +60,14 @@ def test_summary_ratios_percentiles_and_quality_relative_to_full():
     assert rows["fast"]["quality"] == pytest.approx(0.375)
     assert rows["fast"]["quality_vs_full"] == pytest.approx(0.375)
     assert rows["fast"]["top1_agree"] == pytest.approx(0.5)  # pooled over answer positions
+    assert (rows["fast"]["examples_better"], rows["fast"]["examples_worse"]) == (0, 2)
+    lo, hi = rows["fast"]["quality_vs_full_ci"]
+    assert 0.25 <= lo <= 0.375 <= hi <= 0.5  # bootstrap means of the two per-example ratios
     report = {"model": "m", "dtype": "float32", "threads": 2, "config": {"ratio": 0.15},
               "datasets": {"d": summary}}
     table = format_tables(report)
     assert "| fast | 0.375 |" in table and "### d: 2 examples" in table
+    assert f"| fast | 0.375 | {lo:.2f}-{hi:.2f} | 0 / 2 |" in table
     json.dumps(report)  # JSON-ready
 
 

@@ -9,6 +9,7 @@ from cachetune.eval.metrics import (
     first_line,
     kl_to_reference,
     normalize_answer,
+    paired_ratio,
     rouge_l,
     score_answer,
     summarize,
@@ -190,3 +191,29 @@ def test_summarize_single_value_and_empty() -> None:
     assert summarize([0.25])["p95"] == 0.25
     with pytest.raises(ValueError):
         summarize([])
+
+
+# --- paired comparison with the reference method -----------------------------------------------
+
+def test_paired_ratio_counts_examples_and_brackets_the_ratio() -> None:
+    p = paired_ratio([1.0, 0.0, 1.0, 0.5, 0.0, 1.0], [1.0, 1.0, 0.5, 0.5, 0.0, 1.0])
+    assert p["ratio"] == pytest.approx(3.5 / 4.0)
+    assert (p["better"], p["worse"]) == (1.0, 1.0)
+    assert p["ci_low"] < p["ratio"] < p["ci_high"]
+
+
+def test_paired_ratio_of_identical_scores_has_no_spread_and_is_seeded() -> None:
+    scores = [0.2, 0.0, 0.7, 1.0]
+    p = paired_ratio(scores, scores)
+    assert (p["ratio"], p["ci_low"], p["ci_high"], p["better"], p["worse"]) == (1.0, 1.0, 1.0, 0.0, 0.0)
+    a, b = [0.0, 1.0, 0.3, 0.9], [0.5, 0.5, 0.5, 0.1]
+    assert paired_ratio(a, b) == paired_ratio(a, b)
+
+
+def test_paired_ratio_without_a_reference_score_is_nan_and_bad_input_raises() -> None:
+    p = paired_ratio([0.5, 0.0], [0.0, 0.0])
+    assert math.isnan(p["ratio"]) and math.isnan(p["ci_low"]) and p["better"] == 1.0
+    with pytest.raises(ValueError, match="equal-length"):
+        paired_ratio([1.0], [1.0, 0.0])
+    with pytest.raises(ValueError, match="equal-length"):
+        paired_ratio([], [])

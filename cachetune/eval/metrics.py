@@ -136,3 +136,28 @@ def summarize(values: Iterable[float]) -> dict[str, float]:
         "min": float(arr.min()),
         "max": float(arr.max()),
     }
+
+
+def paired_ratio(scores: Sequence[float], reference: Sequence[float], *, resamples: int = 2000,
+                 seed: int = 0) -> dict[str, float]:
+    """Mean score over mean reference score on the same examples, with a 95% percentile-bootstrap interval
+    (examples resampled with replacement, both methods together, so the pairing is kept), and how many
+    examples score above / below the reference. Small QA samples have many zeros; the interval says how
+    much the ratio means."""
+    s = np.asarray(scores, dtype=np.float64)
+    ref = np.asarray(reference, dtype=np.float64)
+    if s.shape != ref.shape or s.ndim != 1 or s.size == 0:
+        raise ValueError(f"need two equal-length, non-empty score lists, got {s.shape} and {ref.shape}")
+    idx = np.random.default_rng(seed).integers(0, s.size, size=(resamples, s.size))
+    num, den = s[idx].mean(axis=1), ref[idx].mean(axis=1)
+    ratios = np.divide(num, den, out=np.full_like(num, np.nan), where=den > 0)
+    ratios = ratios[~np.isnan(ratios)]  # resamples where the reference scores 0 everywhere have no ratio
+    nan = float("nan")
+    lo, hi = (float(x) for x in np.percentile(ratios, [2.5, 97.5])) if ratios.size else (nan, nan)
+    return {
+        "ratio": float(s.mean() / ref.mean()) if ref.mean() > 0 else nan,
+        "ci_low": lo,
+        "ci_high": hi,
+        "better": float((s > ref).sum()),
+        "worse": float((s < ref).sum()),
+    }

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from cachetune.engine.engine import FULL_RECOMPUTE
-from cachetune.eval.metrics import summarize
+from cachetune.eval.metrics import paired_ratio, summarize
 
 METRIC_NAME = {"qa": "f1", "summarization": "rougeL"}
 COLUMNS = ["method", "quality", "quality_vs_full", "kl_to_full", "top1_agree", "answer_match_full",
@@ -31,7 +31,8 @@ def summarize_records(records: list[dict], methods: list[str]) -> dict[str, dict
     out = {}
     for name, recs in by_dataset.items():
         task = recs[0]["task"]
-        full_quality = statistics.fmean(r["methods"][FULL_RECOMPUTE]["score"] for r in recs)
+        full_scores = [r["methods"][FULL_RECOMPUTE]["score"] for r in recs]
+        full_quality = statistics.fmean(full_scores)
         rows = []
         for method in methods:
             if not all(method in r["methods"] for r in recs):
@@ -44,10 +45,14 @@ def summarize_records(records: list[dict], methods: list[str]) -> dict[str, dict
                 for x in r["methods"][method].get("full_ttft_ms", r["methods"][FULL_RECOMPUTE]["ttft_ms"])
             )
             quality = statistics.fmean(p["score"] for p in per)
+            paired = paired_ratio([p["score"] for p in per], full_scores)
             rows.append({
                 "method": method,
                 "quality": quality,
                 "quality_vs_full": quality / full_quality if full_quality else float("nan"),
+                "quality_vs_full_ci": [paired["ci_low"], paired["ci_high"]],
+                "examples_better": int(paired["better"]),
+                "examples_worse": int(paired["worse"]),
                 "kl_to_full": statistics.fmean(p["kl"] for p in per),
                 "top1_agree": statistics.fmean(_pooled(recs, method, "top1")),
                 "answer_match_full": statistics.fmean(p["match"] for p in per),
@@ -81,6 +86,13 @@ def format_tables(report: dict) -> str:
                   "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         for row in ds["results"]:
             parts.append("| " + " | ".join(_cell(row[c]) for c in COLUMNS) + " |")
+        parts += ["", f"Paired with full recompute on the same {ds['n_examples']} examples ({ds['metric']}):", "",
+                  "| method | quality_vs_full | 95% bootstrap interval | examples better / worse |", "|---|---|---|---|"]
+        for row in ds["results"]:
+            if row["method"] != FULL_RECOMPUTE:
+                lo, hi = row["quality_vs_full_ci"]
+                parts.append(f"| {row['method']} | {_cell(row['quality_vs_full'])} | {lo:.2f}-{hi:.2f} | "
+                             f"{row['examples_better']} / {row['examples_worse']} |")
     return "\n".join(parts)
 
 
