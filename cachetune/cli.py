@@ -1,38 +1,65 @@
-"""Command line: `cachetune ask` answers over documents, `eval` / `bench` compare methods, `analyze` probes."""
+"""Command line: `ask` answers over documents, `eval` / `bench` compare methods, `bench-batch` measures
+concurrent serving, `analyze` probes. Every command that runs the engine takes one flag per
+EngineConfig field (derived from the dataclass, so a new setting is a new flag) plus `--config`."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
 import sys
+import typing
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from cachetune.chunks.rankers import DEFAULT_RANKER
-from cachetune.config import DTYPES, EngineConfig
+from cachetune.config import DTYPES, STORES, EngineConfig
+
+CHOICES = {"dtype": sorted(DTYPES), "store": list(STORES)}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(|B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+def byte_size(text: str) -> int:
+    """'4GiB', '512MiB', '1.5GB' or a plain number of bytes -> bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4GiB, 512MiB, 1000000)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _flag_type(name: str, annotation) -> type:
+    """The one non-None type of a field's annotation (str, int, float or bool)."""
+    args = [a for a in typing.get_args(annotation) or (annotation,) if a is not type(None)]
+    return args[0]
+
+
+def _engine_args(p: argparse.ArgumentParser, own: tuple[str, ...] = ()) -> None:
+    """--config plus one flag per EngineConfig field, except `own` fields the command defines itself
+    (their values still reach the config)."""
     p.add_argument("--config", help="EngineConfig as .json or .toml; the flags below override it")
-    p.add_argument("--model", help="preset (smollm2-135m, qwen2.5-coder-1.5b), HF directory or .gguf file")
-    p.add_argument("--dtype", choices=sorted(DTYPES))
-    p.add_argument("--device", help="auto (default: a CUDA GPU when present), cpu, cuda or cuda:N")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    p.add_argument("--store", choices=["memory", "disk"])
-    p.add_argument("--store-dir")
-    p.add_argument("--ranking", help="offline ranker stored with each chunk and read by the cachetune method "
-                                     "(lf, lf_v0, probe, probe_head, first, hybrids like first+probe; "
-                                     f"default {DEFAULT_RANKER})")
-    p.add_argument("--no-prefetch", dest="prefetch", action="store_false", default=None,
-                   help="load each layer's reused KV only when it is needed (no overlap)")
+    group = p.add_argument_group("engine", "EngineConfig fields (defaults in brackets)")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in own:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{EngineConfig.help(f.name)} [{f.default}]"
+        kind = _flag_type(f.name, hints[f.name])
+        if kind is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif f.name.endswith("_bytes"):
+            group.add_argument(flag, dest=f.name, type=byte_size, help=help_text)
+        else:
+            group.add_argument(flag, dest=f.name, type=kind, choices=CHOICES.get(f.name), help=help_text)
 
 
 def _engine(args):
     from cachetune.engine.engine import Engine
 
-    overrides = {"model": args.model, "dtype": args.dtype, "device": args.device, "threads": args.threads,
-                 "store": args.store, "store_dir": args.store_dir, "prefetch": args.prefetch,
-                 "ranking": args.ranking}
+    overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EngineConfig)}
     if args.config:
         config = EngineConfig.from_file(args.config, **overrides)
     else:
@@ -44,11 +71,12 @@ def _engine(args):
 
 
 def cmd_ask(args) -> int:
-    from cachetune.engine.decode import SamplingConfig
+    from cachetune.runtime.decode import SamplingConfig
 
     engine = _engine(args)
     ids = [engine.cache_chunk(Path(doc).read_text() + "\n\n") for doc in args.doc]
-    sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    sampling = SamplingConfig(args.max_new_tokens or engine.config.max_new_tokens, args.temperature, args.top_p,
+                              args.seed)
     out = engine.generate(ids, args.question, args.system, args.method, args.ratio, sampling)
     print(out.text)
     print(f"[{out.method} r={out.ratio:g}] TTFT {out.ttft_ms:.0f} ms, prompt {out.prompt_tokens} tokens, "
@@ -57,9 +85,9 @@ def cmd_ask(args) -> int:
 
 
 def _methods(text: str) -> list[str]:
-    from cachetune.engine.engine import METHODS
+    from cachetune.methods import method_names
 
-    return list(METHODS) if text == "all" else [m.strip() for m in text.split(",") if m.strip()]
+    return method_names() if text == "all" else [m.strip() for m in text.split(",") if m.strip()]
 
 
 def _floats(text: str | None) -> tuple[float, ...]:
@@ -67,11 +95,33 @@ def _floats(text: str | None) -> tuple[float, ...]:
 
 
 def _datasets(args, default: str) -> dict:
-    """--data values (names or files, repeated or comma-separated) -> {name or file stem: examples}."""
+    """--data values (names or files, repeated or comma-separated) -> {name or file stem: examples}.
+
+    Names are unique: a file whose stem is taken already (a/musique.json, then b/musique.json) is
+    named with its parent folders as needed ("b/musique"), and as a last resort numbered ("musique#2").
+    A dataset without examples (an empty file, --limit 0) is a ValueError."""
     from cachetune.eval.datasets import DATASETS, load_dataset
 
     specs = [d for arg in (args.data or [default]) for d in arg.split(",") if d]
-    return {(spec if spec in DATASETS else Path(spec).stem): load_dataset(spec, args.limit) for spec in specs}
+    out: dict = {}
+    for spec in specs:
+        examples = load_dataset(spec, args.limit)  # first: a missing file fails here, with its own message
+        if spec in DATASETS:
+            candidates = [spec]
+        else:  # "stem", "parent/stem", "grandparent/parent/stem", ...
+            path = Path(spec)
+            folders = path.parent.parts[1:] if path.anchor else path.parent.parts
+            parts = [p for p in folders if p != "."] + [path.stem]
+            candidates = ["/".join(parts[-n:]) for n in range(1, len(parts) + 1)]
+        name = next((c for c in candidates if c not in out), None)
+        n = 2
+        while name is None or name in out:  # the same file twice
+            name, n = f"{candidates[0]}#{n}", n + 1
+        if not examples:
+            limit = f" with --limit {args.limit}" if args.limit is not None else ""
+            raise ValueError(f"dataset {name!r} ({spec}) has no examples{limit}")
+        out[name] = examples
+    return out
 
 
 def cmd_eval(args) -> int:
@@ -80,9 +130,11 @@ def cmd_eval(args) -> int:
     from cachetune.eval.report import format_tables, plot_ratio_curves, plot_tradeoff, summarize_records, write_json
 
     datasets = _datasets(args, str(bundled_sample_path()))
-    cfg = EvalConfig(methods=_methods(args.methods), ratio=args.ratio, ratios=_floats(args.ratios),
-                     max_new_tokens=args.max_new_tokens, repeats=args.repeats, system=args.system)
+    cfg = EvalConfig(methods=_methods(args.methods), ratio=EngineConfig.ratio if args.ratio is None else args.ratio,
+                     ratios=_floats(args.ratios), max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                     system=args.system)
     engine = _engine(args)
+    cfg = replace(cfg, ratio=engine.config.ratio)  # --ratio, else the --config file's, else the default
     progress_path = None
     if args.json:
         progress_path = Path(args.json).with_suffix(".progress.jsonl")
@@ -111,7 +163,7 @@ def _eval_args(p: argparse.ArgumentParser, methods: str, repeats: int) -> None:
                    help="dataset name (musique, 2wikimqa, hotpotqa, multi_news, samsum, lb_*) or file; "
                         "repeat or comma-separate for several (default: the bundled MuSiQue sample)")
     p.add_argument("--methods", default=methods, help="comma-separated, or 'all'")
-    p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument("--ratio", type=float, help=f"recompute budget of every method with one [{EngineConfig.ratio}]")
     p.add_argument("--ratios", help="comma-separated budgets: methods that use one run once per r, as name@r")
     p.add_argument("--limit", type=int, help="first N examples of each dataset")
     p.add_argument("--max-new-tokens", type=int, help="default: 32 for QA, 128 for summarization")
@@ -121,7 +173,7 @@ def _eval_args(p: argparse.ArgumentParser, methods: str, repeats: int) -> None:
                                   "its .progress.jsonl")
     p.add_argument("--fresh", action="store_true", help="ignore (delete) earlier progress for --json")
     p.add_argument("--plots", help="directory for the quality/fidelity vs TTFT PNGs")
-    _engine_args(p)
+    _engine_args(p, own=("ratio", "max_new_tokens"))
     p.set_defaults(func=cmd_eval)
 
 
@@ -135,6 +187,7 @@ def cmd_analyze(args) -> int:
 
     datasets = _datasets(args, "musique")
     engine = _engine(args)
+    args.ratio, args.alpha = engine.config.ratio, engine.config.alpha  # flag, else --config, else default
     out = Path(args.out)
     stem = out / f"{args.analysis}"
     if args.analysis in ("drift", "spectrum", "attention"):
@@ -173,6 +226,41 @@ def cmd_analyze(args) -> int:
     return 0
 
 
+# bench-batch admits every request of a level in its first step (so c requests really decode together)
+# and gives the KV room for 16 long prompts, unless --prefill-tokens-per-step / --kv-budget-bytes say otherwise.
+BATCH_BENCH_ENGINE = {"prefill_tokens_per_step": 10**9, "kv_budget_bytes": 16 * 2**30}
+
+
+def cmd_bench_batch(args) -> int:
+    from cachetune.eval.bench_batch import BatchBenchConfig, format_batch_table, plot_batch, run_bench_batch
+    from cachetune.eval.datasets import load_dataset
+    from cachetune.eval.report import write_json
+
+    levels = tuple(int(x) for x in args.concurrency.split(",") if x.strip())
+    cfg = BatchBenchConfig(concurrency=levels, max_new_tokens=args.max_new_tokens or 32, method=args.method,
+                           ratio=args.ratio, sizes={"short": args.short_docs, "long": args.long_docs},
+                           repeats=args.repeats)
+    sets = {name: load_dataset(spec, max(levels)) for name, spec in (("short", args.short), ("long", args.long))
+            if spec}
+    if not sets:
+        raise ValueError("nothing to run: give --short and/or --long")
+    for key, value in BATCH_BENCH_ENGINE.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    engine = _engine(args)
+    report = run_bench_batch(engine, sets, cfg)
+    report["data"] = {name: spec for name, spec in (("short", args.short), ("long", args.long)) if spec}
+    table = format_batch_table(report)
+    print(table)
+    if args.json:
+        write_json(report, args.json)
+        Path(args.json).with_suffix(".md").write_text(table + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+        plot = plot_batch(report, Path(args.json).with_suffix(".png"))
+        print(f"wrote {plot}", file=sys.stderr)
+    return 0 if all(r["tokens_equal_alone"] for r in report["rows"]) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cachetune", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -181,41 +269,62 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--doc", action="append", required=True, help="a text file; repeat for several chunks")
     ask.add_argument("--question", required=True)
     ask.add_argument("--system", help="system prompt (default: answer briefly from the passages)")
-    ask.add_argument("--method", default="cachetune")
-    ask.add_argument("--ratio", type=float, default=0.15)
-    ask.add_argument("--max-new-tokens", type=int, default=64)
+    ask.add_argument("--method", help=f"registered method or cachetune:<ranking> [{EngineConfig.method}]")
+    ask.add_argument("--ratio", type=float, help=f"share of chunk tokens recomputed [{EngineConfig.ratio}]")
+    ask.add_argument("--max-new-tokens", type=int, help=f"[{EngineConfig.max_new_tokens}]")
     ask.add_argument("--temperature", type=float, default=0.0)
     ask.add_argument("--top-p", type=float, default=1.0)
     ask.add_argument("--seed", type=int)
-    _engine_args(ask)
+    _engine_args(ask, own=("method", "ratio", "max_new_tokens"))
     ask.set_defaults(func=cmd_ask)
 
     ev = sub.add_parser("eval", help="every method on datasets: quality, fidelity, TTFT (JSON, tables, plots)")
     _eval_args(ev, methods="all", repeats=0)
     bench = sub.add_parser("bench", help="a quick eval: full recompute, full reuse and cachetune")
     _eval_args(bench, methods="full_recompute,full_reuse,cachetune", repeats=0)
+    bb = sub.add_parser("bench-batch", help="decode tokens/s and TTFT at several concurrency levels (step loop)")
+    bb.add_argument("--short", default="2wikimqa", help="dataset of the short prompts ('' to skip) [2wikimqa]")
+    bb.add_argument("--long", default="musique", help="dataset of the long prompts ('' to skip) [musique]")
+    bb.add_argument("--short-docs", type=int, default=2,
+                    help="documents per short prompt (0: all) [2: about 1.4K tokens, HotpotQA-size]")
+    bb.add_argument("--long-docs", type=int, default=0, help="documents per long prompt (0: all)")
+    bb.add_argument("--concurrency", default="1,4,8,16", help="comma-separated request counts [1,4,8,16]")
+    bb.add_argument("--max-new-tokens", type=int, help="tokens each request decodes (EOS ignored) [32]")
+    bb.add_argument("--method", help=f"prefill method of every request [{EngineConfig.method}]")
+    bb.add_argument("--ratio", type=float, help=f"its recompute budget [{EngineConfig.ratio}]")
+    bb.add_argument("--repeats", type=int, default=3, help="interleaved passes over the levels [3]")
+    bb.add_argument("--json", help="write the report here, a .md table and a .png plot beside it")
+    _engine_args(bb, own=("method", "ratio", "max_new_tokens"))
+    bb.set_defaults(func=cmd_bench_batch)
+
     an = sub.add_parser("analyze", help="the paper's analyses: drift recall, spectrum, attention, sweeps, robustness")
     an.add_argument("analysis", choices=ANALYSES)
     an.add_argument("--data", action="append", help="dataset names or files (default: musique)")
     an.add_argument("--limit", type=int, default=10, help="first N examples of each dataset (default 10)")
-    an.add_argument("--ratio", type=float, default=0.15)
-    an.add_argument("--alpha", type=float, default=0.5)
+    an.add_argument("--ratio", type=float, help=f"recompute budget [{EngineConfig.ratio}]")
+    an.add_argument("--alpha", type=float, help=f"low-frequency share of the lf ranking [{EngineConfig.alpha}]")
     an.add_argument("--rankers", help="drift / robustness: comma-separated offline rankers to compare")
     an.add_argument("--ratios", help="drift: more ratios to report Recall@r at, comma-separated")
     an.add_argument("--max-new-tokens", type=int, help="sweep / robustness: default per task")
     an.add_argument("--out", default="results/analysis", help="writes <analysis>.json, .md and .png here")
-    _engine_args(an)
+    _engine_args(an, own=("ratio", "alpha", "max_new_tokens"))
     an.set_defaults(func=cmd_analyze)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; an error the user can cause or fix is one `cachetune: error: ...` line and exit code 2."""
+    from cachetune.errors import CachetuneError
+
     args = build_parser().parse_args(argv)
     torch.set_grad_enabled(False)
     try:
         return args.func(args)
-    except (ValueError, KeyError, FileNotFoundError) as exc:
-        print(f"cachetune: error: {exc}", file=sys.stderr)
+    except (CachetuneError, ValueError, KeyError, OSError) as exc:  # OSError covers FileNotFoundError
+        # KeyError's str() is the repr of its argument; every message is folded onto one line.
+        text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+        text = " ".join(text.split()) or type(exc).__name__
+        print(f"cachetune: error: {text}", file=sys.stderr)
         return 2
 
 

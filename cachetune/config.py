@@ -1,48 +1,78 @@
-"""Validated configuration for the engine, loadable from a JSON or TOML file and overridable."""
+"""EngineConfig: the one validated source of every engine default, loadable from a JSON or TOML file.
+
+This module sits at the bottom of the package (it imports nothing from cachetune), so every layer can
+read its defaults from here: method settings take `ratio` and `ranking` from the engine's config, the
+CLI derives its engine flags from the fields and their comments.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from cachetune.chunks.rankers import DEFAULT_RANKER, get_ranker
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STORES = ("memory", "disk")
+GiB = 2**30
 
 
 @dataclass(frozen=True)
 class EngineConfig:
+    # -- model and machine
     model: str | None = None        # preset name, HF directory or .gguf path; None = smollm2-135m
     dtype: str = "float32"          # exactness tests use float32; bfloat16 is ~3x faster on AMX CPUs
     device: str = "auto"            # "auto" = the first CUDA GPU when there is one, else CPU; or e.g. "cuda:1"
     threads: int | None = None      # torch intra-op threads; None leaves torch's default
+    self_check: bool = True         # verify selective prefill against the plain forward at start-up
+    # -- requests
+    method: str = "cachetune"       # method of a request that names none (see `cachetune.methods`)
+    ratio: float = 0.15             # share of chunk tokens recomputed by methods with a budget
+    ranking: str = "first"          # offline ranker stored with each chunk, read by cachetune (chunks.rankers)
     alpha: float = 0.5              # share of low frequencies kept by the `lf` ranking
-    ranking: str = DEFAULT_RANKER   # offline ranker stored with each chunk (cachetune.chunks.rankers)
+    max_new_tokens: int = 64        # decode budget of a request that sets none
+    # -- scheduling and memory
+    kv_budget_bytes: int = 4 * GiB  # KV of running requests (prompt + max_new_tokens rows each); others wait
+    max_running: int = 16           # requests decoded together in one step
+    prefill_tokens_per_step: int = 16384  # prompt tokens admitted per step (at least one request)
+    # -- chunk cache
     store: str = "memory"           # "memory" (CPU RAM) or "disk"
     store_dir: str | None = None    # disk tier root; default <cache dir>/chunks
+    store_bytes: int | None = None  # memory tier byte budget (LRU); None = unbounded
     prefetch: bool = True           # load layer l+1's reused KV while layer l computes
-    self_check: bool = True         # verify selective prefill against the plain forward at start-up
+    tracked_chunks: int = 4096      # chunks whose tokens and extra rankings the engine remembers (LRU)
+    prefix_blocks: int = 4096       # KV blocks of 16 tokens the prefix cache keeps (LRU)
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.store not in ("memory", "disk"):
-            raise ValueError(f"store must be 'memory' or 'disk', got {self.store!r}")
+        if self.store not in STORES:
+            raise ValueError(f"store must be one of {STORES}, got {self.store!r}")
         if not 0 < self.alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
-        get_ranker(self.ranking, self.alpha)  # raises a clear error for an unknown ranker
-        if self.threads is not None and self.threads < 1:
-            raise ValueError("threads must be >= 1")
+        if not 0 <= self.ratio <= 1:
+            raise ValueError(f"ratio must be in [0, 1], got {self.ratio}")
+        for name in ("threads", "max_new_tokens", "kv_budget_bytes", "max_running", "prefill_tokens_per_step",
+                     "store_bytes", "tracked_chunks", "prefix_blocks"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not self.method or not self.ranking:
+            raise ValueError("method and ranking must be non-empty names")
         if self.device != "auto":
             try:
-                torch.device(self.device)
+                device = torch.device(self.device)
             except RuntimeError as exc:
                 raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}") from exc
+            if device.type not in ("cpu", "cuda"):
+                raise ValueError(f"device must be a CPU or a CUDA GPU, got {self.device!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -50,19 +80,78 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        """The device to run on; a CUDA device on a machine (or torch build) without one is an error."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r} asked for, but this torch build sees no CUDA GPU")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ValueError(f"device {self.device!r}: only {torch.cuda.device_count()} CUDA GPU(s) present")
+        return device
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides) -> "EngineConfig":
         """Read a .json or .toml file (keys = field names); `overrides` that are not None win."""
         path = Path(path)
         text = path.read_text()
-        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
+        try:
+            data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: not valid {path.suffix.lstrip('.') or 'JSON'}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a table of settings, got {type(data).__name__}")
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"{path}: unknown config keys {sorted(unknown)}")
         data.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**data)
+        try:
+            return cls(**data)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+
+    @classmethod
+    def help(cls, name: str) -> str:
+        """The comment beside a field in this file (the CLI's help text for its flag)."""
+        return _FIELD_HELP.get(name, "")
+
+
+def _allowed(annotation) -> tuple[type, ...]:
+    """The runtime types an annotation like `int | None` allows (bool is never an int here)."""
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    return tuple(type(None) if a is None else a for a in args)
+
+
+def _check_types(config: EngineConfig) -> None:
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value, allowed = getattr(config, f.name), _allowed(hints[f.name])
+        if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+            object.__setattr__(config, f.name, float(value))  # 1 in a TOML file means 1.0
+            value = float(value)
+        ok = isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
+        if not ok:
+            names = " or ".join("None" if a is type(None) else a.__name__ for a in allowed)
+            raise ValueError(f"{f.name} must be {names}, got {value!r} ({type(value).__name__})")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name} must be finite, got {value}")
+
+
+def _field_comments() -> dict[str, str]:
+    """Field name -> its trailing comment, read from this file's source (one place for the docs)."""
+    import inspect
+
+    out = {}
+    try:
+        source = inspect.getsource(EngineConfig)
+    except OSError:  # installed without sources: flags just lack help text
+        return out
+    for line in source.splitlines():
+        name, sep, rest = line.strip().partition(":")
+        if sep and "#" in rest and name.isidentifier():
+            out[name] = rest.split("#", 1)[1].strip()
+    return out
+
+
+_FIELD_HELP = _field_comments()

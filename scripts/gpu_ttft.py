@@ -19,8 +19,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from cachetune.chunks.encode import encode_chunk
-from cachetune.engine.layout import PromptLayout, Segment
-from cachetune.engine.prefill import full_prefill, selective_prefill
+from cachetune.methods.layout import PromptLayout, Segment
+from cachetune.methods.prefill import full_prefill, selective_prefill
 from cachetune.model.adapter import ModelAdapter
 from cachetune.store.memory import MemoryStore
 

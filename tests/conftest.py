@@ -12,22 +12,28 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
 )
 
 from cachetune.chunks.encode import encode_chunk
-from cachetune.engine.layout import PromptLayout, Segment
+from cachetune.config import EngineConfig
+from cachetune.engine.engine import Engine
+from cachetune.methods.layout import PromptLayout, Segment
 from cachetune.model.adapter import ModelAdapter
+from cachetune.model.loader import LoadedModel
 from cachetune.store.memory import MemoryStore
 
 VOCAB = 300
@@ -113,6 +119,25 @@ def tiny_adapter():
         return model, ModelAdapter(model)
 
     return make
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """Word-level tokenizer over the tiny vocabulary: "w{i}" is token i + 3; 0-2 are <unk>, <s>, </s>."""
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB - 3)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def words(n: int, seed: int) -> str:
+    """Text of n random words of the tiny vocabulary (never the special tokens)."""
+    return " ".join(f"w{int(i) - 3}" for i in rand_ids(n, seed))
+
+
+def tiny_engine(family: str = "llama", **config) -> Engine:
+    """An Engine on a tiny random model with the word-level tokenizer (plain prompt format)."""
+    loaded = LoadedModel(build_model(family), word_tokenizer(), f"tiny-{family}", Path("."))
+    return Engine(loaded, EngineConfig(**config))
 
 
 def rand_ids(n: int, seed: int, vocab: int = VOCAB) -> torch.Tensor:

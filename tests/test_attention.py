@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from cachetune.engine.attention import QUERY_BLOCK, _blocks, _dense_masked, sparse_causal_attention
+from cachetune.runtime.attention import QUERY_BLOCK, _blocks, _dense_masked, sparse_causal_attention
 
 HKV = 2
 D = 16

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cachetune.config import EngineConfig
-from cachetune.engine.decode import SamplingConfig, sample
+from cachetune.runtime.decode import SamplingConfig, sample
 
 
 def test_config_loads_from_toml_and_json_with_overrides(tmp_path):
@@ -20,17 +20,46 @@ def test_config_loads_from_toml_and_json_with_overrides(tmp_path):
     assert EngineConfig.from_file(js).prefetch is False
 
 
-@pytest.mark.parametrize("bad", [{"dtype": "int8"}, {"store": "tape"}, {"alpha": 0.0}, {"threads": 0}, {"ranking": "nope"},
-                                 {"device": "gpu0"}])
+@pytest.mark.parametrize("bad", [{"dtype": "int8"}, {"store": "tape"}, {"alpha": 0.0}, {"threads": 0}, {"ratio": 1.5},
+                                 {"device": "gpu0"}, {"device": "mps"}, {"threads": "2"}, {"prefetch": "yes"},
+                                 {"ratio": float("nan")}, {"kv_budget_bytes": 0}, {"max_running": True}])
 def test_config_rejects_invalid_values(bad):
     with pytest.raises(ValueError):
         EngineConfig(**bad)
+
+
+def test_config_file_with_wrong_types_names_the_field(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('threads = "two"\n')
+    with pytest.raises(ValueError, match="threads must be int or None"):
+        EngineConfig.from_file(path)
+    path.write_text("ratio = 1\n")  # an integer where a float goes is fine
+    assert EngineConfig.from_file(path).ratio == 1.0
+    path.write_text("ratio = [")
+    with pytest.raises(ValueError, match="not valid toml"):
+        EngineConfig.from_file(path)
+
+
+def test_unknown_ranking_or_method_fails_when_the_engine_starts():
+    from conftest import tiny_engine
+
+    with pytest.raises(ValueError, match="unknown ranker"):
+        tiny_engine(ranking="nope")
+    with pytest.raises(ValueError, match="unknown method"):
+        tiny_engine(method="nope")
+
+
+def test_a_cuda_device_without_cuda_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="sees no CUDA GPU"):
+        EngineConfig(device="cuda").torch_device
 
 
 def test_device_auto_takes_a_gpu_only_when_there_is_one(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert EngineConfig().torch_device == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert EngineConfig().torch_device == torch.device("cuda")
     assert EngineConfig(device="cpu").torch_device == torch.device("cpu")
     assert EngineConfig(device="cuda:1").torch_device == torch.device("cuda", 1)
@@ -53,10 +82,16 @@ def test_top_p_keeps_only_the_nucleus_and_seed_reproduces():
     cfg = SamplingConfig(temperature=1.0, top_p=0.5)
     draws = {sample(logits, cfg, torch.Generator().manual_seed(s)) for s in range(30)}
     assert draws == {0}  # the top token alone already covers half the mass
-    wide = SamplingConfig(temperature=1.0, top_p=1.0)
-    a = [sample(logits, wide, torch.Generator().manual_seed(7)) for _ in range(5)]
-    b = [sample(logits, wide, torch.Generator().manual_seed(7)) for _ in range(5)]
-    assert a == b and set(a) <= {0, 1}
+    wide = SamplingConfig(temperature=1.0, top_p=1.0, seed=7)
+
+    def draws(cfg):
+        generator = cfg.generator()  # one generator per request, drawn from again and again
+        return [sample(logits, cfg, generator) for _ in range(40)]
+
+    a, b = draws(wide), draws(wide)
+    assert a == b  # the same seed reproduces the whole sequence
+    assert set(a) == {0, 1}  # and the draws really vary (0.52 / 0.48 mass)
+    assert draws(SamplingConfig(temperature=1.0, seed=8)) != a
 
 
 @pytest.mark.parametrize("bad", [{"max_new_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}])

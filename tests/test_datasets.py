@@ -217,6 +217,23 @@ def test_ircot_rows_become_title_paragraph_documents_and_span_answers(tmp_path: 
     )
 
 
+def test_ircot_spans_given_as_one_string_are_one_answer(tmp_path: Path) -> None:
+    row = _ircot_row([])
+    row["answers_objects"] = [{"spans": "Chief of Protocol"}, {"spans": ["Ambassador", "Diplomat"]}]
+    path = _write_jsonl(tmp_path / "dev_subsampled.jsonl", [row])
+    [ex] = load_dataset(str(path))
+    assert ex.answers == ["Chief of Protocol", "Ambassador", "Diplomat"]
+
+
+@pytest.mark.parametrize("spans", ["", "   ", 7, {"text": "a"}, ["ok", 3], [""]])
+def test_ircot_spans_that_are_not_non_empty_strings_are_rejected(tmp_path: Path, spans: object) -> None:
+    row = _ircot_row([])
+    row["answers_objects"] = [{"spans": spans}]
+    path = _write_jsonl(tmp_path / "bad_spans.jsonl", [row])
+    with pytest.raises(ValueError, match=r"bad_spans\.jsonl: row 0: 'answers_objects'.*'spans'"):
+        load_dataset(str(path))
+
+
 # --- LongBench jsonl (multi_news) -------------------------------------------------------------------
 
 

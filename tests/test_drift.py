@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cachetune.chunks.encode import encode_chunk
-from cachetune.engine.layout import PromptLayout, Segment
+from cachetune.methods.layout import PromptLayout, Segment
 from cachetune.eval.datasets import QAExample
 from cachetune.eval.drift import (
     DRIFT_DEFINITION,
@@ -48,7 +48,7 @@ class TinyEngine:
     def chunk(self, cid: str):
         return self.store.get(cid)
 
-    def layout(self, chunks, question: str) -> PromptLayout:
+    def build_prompt(self, chunks, question: str) -> PromptLayout:
         stored = [self.chunk(cid) for cid in chunks]
         return PromptLayout([
             Segment(self.tokenize("System: answer.\n")),

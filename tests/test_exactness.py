@@ -10,8 +10,8 @@ from functools import partial
 import pytest
 import torch
 
-from cachetune.engine.decode import SamplingConfig, extend, generate_tokens
-from cachetune.engine.prefill import full_prefill, selective_prefill
+from cachetune.runtime.decode import SamplingConfig, extend, generate_tokens
+from cachetune.methods.prefill import full_prefill, selective_prefill
 from conftest import (
     hf_cache_from_rows,
     all_selected,

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PhiConfig
 
-from cachetune.engine.decode import SamplingConfig, extend, generate_tokens
-from cachetune.engine.prefill import full_prefill, selective_prefill
-from cachetune.engine.selfcheck import ReuseRefusedError, run_self_check
+from cachetune.runtime.decode import SamplingConfig, extend, generate_tokens
+from cachetune.methods.prefill import full_prefill, selective_prefill
+from cachetune.engine.selfcheck import run_self_check
 from cachetune.model.adapter import ModelAdapter, UnsupportedModelError
 from conftest import (
     _COMMON,
@@ -172,24 +172,16 @@ def test_sliding_window_is_really_exercised(tiny_adapter, pieces):
     assert rel_err(hf_forward(gemma, ids)[0][-1], hf_forward(gemma, other)[0][-1]) > 1e-4
 
 
-def test_dynamic_rope_is_refused_or_exact(pieces):
-    """A RoPE variant whose tables depend on the sequence length must be refused (at construction or by
-    the self-check) or reproduce HF exactly; it must never silently produce different logits."""
-    cfg = LlamaConfig(
-        **{**_COMMON, "max_position_embeddings": 256},
-        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
-    )
-    model = _tiny(cfg)
-    layout_ids = torch.cat([ids for ids, _ in _parts(pieces)])
-    ref_logits, _ = hf_forward(model, layout_ids)  # first: the rotary module is stateful
-    try:
-        adapter = ModelAdapter(model)
-        run_self_check(adapter, "fp", VOCAB)  # its prompt (252 tokens) stays below 256: no scaling there
-    except (UnsupportedModelError, ReuseRefusedError):
-        return
-    layout, _ = build_layout(adapter, _parts(pieces))  # 312 tokens: dynamic scaling is active
-    res = selective_prefill(adapter, layout, all_selected(layout), layout.total + 64)
-    assert_close(ref_logits[-1], res.logits, TOL, "dynamic rope logits")
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_length_dependent_rope_is_refused_at_construction(rope_type):
+    """RoPE whose tables depend on the sequence length would rotate a chunk's keys differently in
+    every layout: the adapter refuses it outright, naming the variant."""
+    params = {"rope_type": rope_type, "rope_theta": 10000.0, "factor": 4.0}
+    if rope_type == "longrope":
+        params.update(short_factor=[1.0] * 8, long_factor=[2.0] * 8, original_max_position_embeddings=64)
+    cfg = LlamaConfig(**{**_COMMON, "max_position_embeddings": 256, "head_dim": 16}, rope_parameters=params)
+    with pytest.raises(UnsupportedModelError, match=rope_type):
+        ModelAdapter(_tiny(cfg))
 
 
 def _tiny(cfg):

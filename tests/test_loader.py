@@ -8,6 +8,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import random
+import re
+import struct
 import time
 from pathlib import Path
 
@@ -16,6 +19,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
+from cachetune.errors import CachetuneError, ModelLoadError
 from cachetune.model import loader, presets
 from cachetune.model.loader import load_model, model_fingerprint
 from cachetune.model.presets import PRESETS, PresetUnavailableError, assemble_parts, is_verified, resolve_preset
@@ -110,6 +114,67 @@ def test_unknown_spec_raises(tmp_path: Path) -> None:
         load_model(str(tmp_path), cache_dir=tmp_path)  # a dir without config.json
     with pytest.raises(ValueError, match="qwen2.5-coder-1.5b"):
         resolve_preset("nope", tmp_path)
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """A loadable tiny HF directory (model.safetensors, config, tokenizer) to break."""
+    path = tmp_path / "tiny-model"
+    tiny_model().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def _garbage(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty", "header_only"])
+def test_broken_safetensors_is_a_model_load_error_naming_the_file(model_dir: Path, damage: str) -> None:
+    weights = model_dir / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes({"garbage": _garbage(len(data)), "truncated": data[: len(data) // 2], "empty": b"",
+                         "header_only": data[:20]}[damage])
+    with pytest.raises(ModelLoadError, match="model.safetensors.*corrupt or truncated") as info:
+        load_model(model_dir, cache_dir=model_dir.parent / "cache")
+    assert "\n" not in str(info.value)
+
+
+def test_missing_weights_file_is_a_model_load_error(model_dir: Path) -> None:
+    (model_dir / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=f"{re.escape(str(model_dir))}.*model.safetensors") as info:
+        load_model(model_dir, cache_dir=model_dir.parent / "cache")
+    assert "\n" not in str(info.value)
+
+
+def test_broken_tokenizer_is_a_model_load_error(model_dir: Path) -> None:
+    (model_dir / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="tokenizer") as info:
+        load_model(model_dir, cache_dir=model_dir.parent / "cache")
+    assert "\n" not in str(info.value)
+
+
+# A real GGUF header (magic, version 3, tensor and metadata counts) followed by nonsense.
+GGUF_V3 = b"GGUF" + struct.pack("<I", 3)
+BROKEN_GGUF = {
+    "random_after_magic": b"GGUF" + _garbage(4096),
+    "random_after_header": GGUF_V3 + struct.pack("<QQ", 1, 1) + _garbage(4096, seed=1),
+    "invalid_utf8_key": GGUF_V3 + struct.pack("<QQQ", 0, 1, 8) + b"\xff" * 64,
+    "huge_string_length": GGUF_V3 + struct.pack("<QQQ", 0, 1, 1 << 62) + b"\x00" * 64,
+    "cut_in_header": GGUF_V3 + b"\x01\x00",
+    "magic_only": b"GGUF",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_GGUF))
+def test_garbage_gguf_with_valid_magic_is_a_model_load_error(tmp_path: Path, name: str) -> None:
+    path = tmp_path / f"{name}.gguf"
+    path.write_bytes(BROKEN_GGUF[name])
+    cache = tmp_path / "cache"
+    with pytest.raises(ModelLoadError, match=f"{re.escape(str(path))}: not a readable GGUF model") as info:
+        load_model(path, cache_dir=cache)
+    assert "\n" not in str(info.value)
+    assert not cache.exists() or not any((cache / "models").iterdir())  # no half-built cache left
 
 
 def test_default_cache_dir_reads_env_at_call_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -240,6 +305,13 @@ def test_qwen_missing_parts_mentions_make_qwen(tmp_path: Path, monkeypatch: pyte
     )
     with pytest.raises(PresetUnavailableError, match="make qwen"):
         resolve_preset("qwen2.5-coder-1.5b", tmp_path)
+
+
+def test_preset_errors_are_cachetune_errors_and_still_runtime_errors(tmp_path: Path) -> None:
+    parts = _write_parts(tmp_path, [b"abc"])
+    for base in (CachetuneError, RuntimeError):  # the CLI reports the first; older callers catch the second
+        with pytest.raises(base, match="make qwen"):
+            assemble_parts(parts, tmp_path / "out.gguf", "0" * 64, 3)
 
 
 # ---------------------------------------------------------------- the real default model

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from cachetune.chunks.rankers import ChunkView, get_ranker
-from cachetune.engine.ape import APEConfig, ape_attention, ape_prefill
-from cachetune.engine.decode import SamplingConfig, extend, generate_tokens
-from cachetune.engine.layout import PromptLayout, Segment
-from cachetune.engine.prefill import full_prefill, prefix_prefill, pruned_prefill, selective_prefill
-from cachetune.engine.prefix_cache import PrefixCache
-from cachetune.selectors import SELECTORS, SelectionRequest, get_selector, split_global_top
-from cachetune.selectors.cacheslide import CacheSlideSelector
+from cachetune.methods.ape import APESettings, ape_attention, ape_prefill
+from cachetune.runtime.decode import SamplingConfig, extend, generate_tokens
+from cachetune.methods.layout import PromptLayout, Segment
+from cachetune.methods.prefill import full_prefill, prefix_prefill, pruned_prefill, selective_prefill
+from cachetune.methods import prefix_cache
+from cachetune.methods.prefix_cache import PrefixCache
+from cachetune.methods import SelectionRequest, SelectiveMethod, make_method, method_names, split_global_top
+from cachetune.methods.cacheslide import CacheSlideSelector
 from conftest import assert_close, build_layout, hf_forward, none_selected, rand_ids
 
 TOL = 1e-4
@@ -53,7 +54,10 @@ def _request(adapter, layout):
 
 
 def _select(name, adapter, layout, ratio):
-    return get_selector(name).select(_request(adapter, layout), ratio)
+    return make_method(name).selector.select(_request(adapter, layout), ratio)
+
+
+SELECTIVE = [name for name in method_names() if isinstance(make_method(name), SelectiveMethod)]
 
 
 def _check_selection_contract(selections, layout):
@@ -64,7 +68,7 @@ def _check_selection_contract(selections, layout):
         assert sel.numel() == 0 or (0 <= int(sel[0]) and int(sel[-1]) < seg.chunk.num_tokens)
 
 
-@pytest.mark.parametrize("name", sorted(SELECTORS))
+@pytest.mark.parametrize("name", SELECTIVE)
 @pytest.mark.parametrize("ratio", [0.0, 0.15, 1.0])
 def test_every_selector_keeps_the_contract(llama, name, ratio):
     _, adapter = llama
@@ -200,7 +204,7 @@ def test_prefix_reuses_block_aligned_prefix_losslessly(llama):
     assert_close(extend(adapter, full.cache, [5, 6]), extend(adapter, got.cache, [5, 6]), TOL, "decode")
 
 
-def test_prefix_cache_always_recomputes_the_last_token_and_checks_tokens():
+def test_prefix_cache_always_recomputes_the_last_token_and_checks_tokens(monkeypatch):
     pc = PrefixCache(block_size=4)
     ids = torch.arange(8)
     cache = type("C", (), {})()
@@ -213,10 +217,12 @@ def test_prefix_cache_always_recomputes_the_last_token_and_checks_tokens():
     other = torch.arange(9)
     other[1] = 99
     assert pc.match(other) == 0            # the first block differs: nothing after it may match
-    # A forged hash hit with different tokens is refused by the token comparison.
-    key = next(iter(pc._blocks))
-    pc._blocks[key].token_ids = torch.tensor([7, 7, 7, 7])
-    assert pc.match(torch.arange(9)) == 0
+    # A hash collision (every block hashes alike) is refused by the token comparison.
+    monkeypatch.setattr(prefix_cache, "chained_block_hashes", lambda ids, size, blocks: [b"same"] * blocks)
+    colliding = PrefixCache(block_size=4)
+    colliding.insert(ids, cache)  # one entry: the second block's key is taken by the first
+    assert colliding.match(torch.arange(9)) == 4  # block 2 hits block 1's entry, whose tokens differ
+    assert colliding.match(torch.arange(9) + 7) == 0
 
 
 def test_prefix_cache_evicts_least_recently_used():
@@ -237,7 +243,7 @@ def test_ape_attention_without_temperature_or_scale_is_plain_causal_attention():
     key_pos = torch.arange(10)
     ctx = torch.zeros(10, dtype=torch.bool)
     ctx[2:6] = True
-    got = ape_attention(q, k, v, q_pos, key_pos, ctx, 0.3, None, APEConfig(1.0, 1.0))
+    got = ape_attention(q, k, v, q_pos, key_pos, ctx, 0.3, None, APESettings(1.0, 1.0))
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     z = torch.einsum("thd,rhd->htr", q, kk) * 0.3
     z = z.masked_fill(key_pos[None, :] > q_pos[:, None], float("-inf"))
@@ -250,7 +256,7 @@ def test_ape_temperature_and_scale_follow_the_formula():
     q, k, v = torch.randn(1, 1, 4, generator=g), torch.randn(5, 1, 4, generator=g), torch.randn(5, 1, 4, generator=g)
     ctx = torch.tensor([False, True, True, True, False])
     t, s = 0.5, 0.8
-    got = ape_attention(q, k, v, torch.tensor([9]), torch.arange(5), ctx, 1.0, None, APEConfig(t, s))
+    got = ape_attention(q, k, v, torch.tensor([9]), torch.arange(5), ctx, 1.0, None, APESettings(t, s))
     z = (k[:, 0] @ q[0, 0])
     own, c = z[~ctx], z[ctx]
     mass_own = torch.logsumexp(own, 0)
@@ -264,7 +270,7 @@ def test_ape_with_one_chunk_and_neutral_settings_equals_full_reuse(llama):
     _, adapter = llama
     layout, _ = build_layout(adapter, [(rand_ids(12, 0), False), (rand_ids(50, 1), True), (rand_ids(9, 2), False)])
     ref = selective_prefill(adapter, layout, none_selected(layout), layout.total + 8)
-    got = ape_prefill(adapter, layout, layout.total + 8, APEConfig(1.0, 1.0))
+    got = ape_prefill(adapter, layout, layout.total + 8, APESettings(1.0, 1.0))
     assert_close(ref.logits, got.logits, TOL, "prefill")
     sampling = SamplingConfig(max_new_tokens=6)
     assert generate_tokens(partial(extend, adapter, ref.cache), ref.logits, sampling, set()) == \
@@ -275,9 +281,9 @@ def test_ape_places_chunks_in_parallel_and_decodes_consistently(llama):
     _, adapter = llama
     layout, _ = build_layout(adapter, _parts(prefix=12, chunks=(40, 33, 50), question=9))
     got = ape_prefill(adapter, layout, layout.total + 8)
-    starts = [int(got.positions[s]) for s, _ in layout.chunk_segments]
+    starts = [int(got.cache.positions[s]) for s, _ in layout.chunk_segments]
     assert starts == [12, 12, 12]
-    assert int(got.positions[layout.total - 1]) == 12 + 50 + 8  # question after the longest chunk
+    assert int(got.cache.positions[layout.total - 1]) == 12 + 50 + 8  # question after the longest chunk
     forced = [5, 9, 11, 3]
     together = got.extend(adapter, forced)
     got.cache.truncate(layout.total)

@@ -10,9 +10,10 @@ from cachetune.chunks.kv import encode_kv
 from cachetune.chunks.probes import ProbeBank
 from cachetune.chunks.rankers import ChunkView, RankingContext, get_ranker, rank_tokens
 from cachetune.chunks.ranking import kv_drift, lf_scores, low_frequency, rank_fusion, ranking_from_scores, top_share
-from cachetune.engine.layout import PromptLayout, Segment
-from cachetune.selectors import SelectionRequest, get_selector, is_selector
-from cachetune.selectors.base import split_global_top
+from cachetune.methods.layout import PromptLayout, Segment
+from cachetune.config import EngineConfig
+from cachetune.methods import SelectionRequest, is_method, make_method
+from cachetune.methods.selector import split_global_top
 from cachetune.store.memory import MemoryStore
 from conftest import FINGERPRINT, _capture_pre_rope, assert_close, rand_ids
 
@@ -165,19 +166,19 @@ def test_cachetune_method_reads_the_default_or_the_named_ranking(llama):
     layout = _layout(adapter)
     request = SelectionRequest(layout, adapter, _Source(adapter, "probe", ctx))
     chunks = request.chunks
-    default = get_selector("cachetune").select(request, 0.2)
-    named = get_selector("cachetune:first").select(request, 0.2)
+    default = make_method("cachetune", EngineConfig(ranking="probe")).selector.select(request, 0.2)
+    named = make_method("cachetune:first").selector.select(request, 0.2)
     probe_expected = [top_share(ranking_from_scores(request.rankings.scores(c, "probe")), 0.2) for c in chunks]
     assert all(torch.equal(a, b) for a, b in zip(default, probe_expected))
     assert all(torch.equal(a, torch.arange(round(0.2 * c.num_tokens))) for a, c in zip(named, chunks))
-    assert is_selector("cachetune:probe+lf") and not is_selector("cachetune:nope")
+    assert is_method("cachetune:probe+lf") and not is_method("cachetune:nope")
 
 
 def test_a_globally_budgeted_ranking_selects_top_r_over_all_chunks(llama):
     _, adapter = llama
     layout = _layout(adapter)
     request = SelectionRequest(layout, adapter, _Source(adapter, "lf_v0", _context(adapter)))
-    got = get_selector("cachetune").select(request, 0.2)
+    got = make_method("cachetune:lf_v0").selector.select(request, 0.2)
     scores = [request.rankings.scores(c, "lf_v0") for c in request.chunks]
     expected = split_global_top(scores, 0.2)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))

@@ -6,8 +6,8 @@ from typing import Protocol
 
 import torch
 
-from cachetune.engine.forward import forward_active
-from cachetune.engine.kv_cache import KVCache
+from cachetune.runtime.forward import forward_active
+from cachetune.runtime.kv_cache import KVCache
 from cachetune.model.adapter import ModelAdapter
 
 
@@ -15,7 +15,7 @@ class Prefix(Protocol):
     """KV of tokens at positions 0..P-1 that the encoded run follows (the ReusedKV protocol)."""
 
     token_ids: torch.Tensor
-    positions: torch.Tensor
+    rows: torch.Tensor
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -38,8 +38,7 @@ def encode_kv(adapter: ModelAdapter, token_ids: torch.Tensor, prefix: Prefix | N
 
     cache = KVCache.empty(adapter.num_layers, start + n, adapter.num_kv_heads, adapter.head_dim, adapter.dtype,
                           adapter.device)
-    rope = adapter.rope_tables(torch.arange(start + n, device=adapter.device))
-    pos = torch.arange(start, start + n, device=adapter.device)
+    rows = torch.arange(start, start + n, device=adapter.device)  # row i at position i
     # last_only: every layer still captures all tokens' K/V; only the unused final outputs are skipped.
-    forward_active(adapter, adapter.embed(ids), pos, cache, rope, reused=prefix, capture=capture, last_only=True)
+    forward_active(adapter, adapter.embed(ids), rows, cache, reused=prefix, capture=capture, last_only=True)
     return keys, values

@@ -53,7 +53,7 @@ class Probe:
     values: torch.Tensor
 
     @property
-    def positions(self) -> torch.Tensor:  # ReusedKV protocol: the probe fills rows 0..P-1
+    def rows(self) -> torch.Tensor:  # ReusedKV protocol: the probe fills rows 0..P-1
         return torch.arange(self.token_ids.numel(), device=self.keys.device)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:

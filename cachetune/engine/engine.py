@@ -1,100 +1,104 @@
-"""The Engine facade: cache chunks once, then answer requests assembled from them.
+"""The Engine facade: cache chunks once, then serve requests assembled from them in one step loop.
 
     engine = Engine.from_pretrained()                       # bundled SmolLM2-135M-Instruct
     ids = [engine.cache_chunk(text) for text in docs]
     out = engine.generate(chunks=ids, question="...", method="cachetune", ratio=0.15)
-    out.text, out.ttft_ms, out.recomputed_tokens
+
+    req = engine.add_request(ids, "...", on_token=print)    # many requests: add, then step
+    while engine.has_unfinished():
+        engine.step()                                       # admit + prefill, then one batched decode
+
+One loop owns the model: `step` (and `generate`, which steps until its request ends) may be called
+from any thread, but steps run one at a time under the engine's lock; `add_request`, `abort` and
+`cache_chunk` take the same lock, so they wait for a running step to end.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 import time
-from dataclasses import dataclass, replace
-from functools import partial
+from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
 from cachetune.chunks.encode import chunk_id, encode_chunk
 from cachetune.chunks.probes import PROBE_PASSAGES, ProbeBank
-from cachetune.chunks.rankers import ChunkView, FusionRanker, Ranker, RankingContext, get_ranker
-from cachetune.chunks.ranking import rank_fusion, ranking_from_scores
+from cachetune.chunks.rankers import RankingContext, get_ranker
 from cachetune.config import EngineConfig
-from cachetune.engine.ape import APEConfig, ape_prefill
-from cachetune.engine.decode import SamplingConfig, generate_tokens
-from cachetune.engine.layout import PromptLayout, Segment
-from cachetune.engine.prefill import PrefillResult, full_prefill, prefix_prefill, pruned_prefill, selective_prefill
-from cachetune.engine.prefix_cache import PrefixCache
-from cachetune.engine.prompt import DEFAULT_SYSTEM, QUESTION_LABEL, PromptTemplate
+from cachetune.engine.prompt import DEFAULT_SYSTEM, PromptTemplate
+from cachetune.engine.request import FinishCallback, GenerationResult, Request, RequestStatus, TokenCallback
+from cachetune.engine.scheduler import KVBudget, Scheduler
 from cachetune.engine.selfcheck import ReuseRefusedError, run_self_check
+from cachetune.errors import RequestError
+from cachetune.lru import LRUDict
+from cachetune.methods import Method, MethodContext, Prefill, PromptLayout, Segment, make_method
+from cachetune.methods.prefix_cache import PrefixCache
+from cachetune.methods.rankings import ChunkRankings
 from cachetune.model.adapter import ModelAdapter
 from cachetune.model.loader import LoadedModel, default_cache_dir, load_model, model_fingerprint
-from cachetune.selectors import SELECTORS, SelectionRequest, TokenSelector, get_selector, is_selector
+from cachetune.runtime.decode import SamplingConfig, sample
+from cachetune.runtime.forward import decode_step
+from cachetune.runtime.kv_cache import kv_bytes_per_row
 from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
 from cachetune.store.disk import DiskStore
 from cachetune.store.memory import MemoryStore
 
 log = logging.getLogger(__name__)
 
-FULL_RECOMPUTE = "full_recompute"
-PREFIX = "prefix"
-APE = "ape"
-# Exact methods (their KV may seed the prefix cache), then reuse methods with their own prefill.
-PREFILL_METHODS = (FULL_RECOMPUTE, PREFIX)
-METHODS = (*PREFILL_METHODS, APE, *SELECTORS)  # plus "cachetune:<ranker>" (see is_method)
+
+class StepResult(NamedTuple):
+    finished: list[Request]  # requests that ended in this step
+    prefilled: int           # requests admitted and prefilled
+    decoded: int             # tokens produced by the batched decode
+    prefill_s: float
+    decode_s: float
 
 
-def is_method(name: str) -> bool:
-    """A method name Engine.prefill accepts: one of METHODS or cachetune with a named ranking."""
-    return name in METHODS or is_selector(name)
-
-
-def _with_ranking(method: str | TokenSelector, ranking: str | None) -> str | TokenSelector:
-    """"cachetune" with ranking="probe" is the method "cachetune:probe"; other methods take no ranking."""
-    if ranking is None:
-        return method
-    if method != "cachetune":
-        raise ValueError(f"ranking= applies to the cachetune method, not {method!r}")
-    return f"cachetune:{ranking}"
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    ttft_ms: float            # request start (layout) to the first sampled token
-    prompt_tokens: int
-    recomputed_tokens: int    # chunk tokens recomputed in context (all of them for full_recompute)
-    computed_tokens: int      # all tokens that went through the layers during prefill
-    method: str
-    ratio: float
+class KVUsage(NamedTuple):
+    total_rows: int
+    used_rows: int
+    bytes_per_row: int
+    waiting: int
+    running: int
 
 
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, store: ChunkStore | None = None):
-        self.config = config or EngineConfig()
-        if self.config.threads:
-            torch.set_num_threads(self.config.threads)
-        self.model = loaded.model.to(self.config.torch_device)
+        self.config = config = config or EngineConfig()
+        get_ranker(config.ranking, config.alpha)  # unknown names fail before any work
+        make_method(config.method, config)
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.model = loaded.model.to(config.torch_device)
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name
         self.adapter = ModelAdapter(self.model)
         self.fingerprint = model_fingerprint(self.model)
         self.template = PromptTemplate(self.tokenizer)
+        self.vocab_size = self.adapter.backbone.embed_tokens.num_embeddings
+        self.max_context = getattr(self.model.config, "max_position_embeddings", None)
         self.store = store or self._default_store()
-        self._tokens: dict[str, torch.Tensor] = {}  # ids cached by this engine, to re-encode after corruption
-        self._scores: dict[tuple[str, str], torch.Tensor] = {}  # (chunk id, ranker) -> offline scores
-        self._rankers: dict[str | None, Ranker] = {}
-        self._ranking_context: RankingContext | None = None
-        self.prefix_cache = PrefixCache()
-        self.ape_config = APEConfig()
+        self.rankings = ChunkRankings(self.adapter, config.ranking, config.alpha, self._ranking_context,
+                                      config.tracked_chunks)
+        self.prefix_cache = PrefixCache(max_blocks=config.prefix_blocks)
+        self.context = MethodContext(self.adapter, self.rankings, self.prefix_cache, config.prefetch)
+        self._tokens: LRUDict[str, torch.Tensor] = LRUDict(config.tracked_chunks)  # to re-encode a lost chunk
+        self.kv_bytes_per_row = kv_bytes_per_row(self.adapter.num_layers, self.adapter.num_kv_heads,
+                                                 self.adapter.head_dim, self.adapter.dtype)
+        budget = KVBudget(max(1, config.kv_budget_bytes // self.kv_bytes_per_row))
+        self.scheduler = Scheduler(budget, config.max_running, config.prefill_tokens_per_step)
+        self._lock = threading.RLock()
+        self._ids = itertools.count()
+        self._stop_ids = self.stop_ids()
         self.reuse_error: str | None = None
         self.self_check_error: float | None = None
-        if self.config.self_check:
+        if config.self_check:
             try:
-                self.self_check_error = run_self_check(self.adapter, self.fingerprint, self.model.config.vocab_size)
+                self.self_check_error = run_self_check(self.adapter, self.fingerprint, self.vocab_size)
             except ReuseRefusedError as exc:
                 self.reuse_error = str(exc)
                 log.error("%s", exc)
@@ -103,29 +107,57 @@ class Engine:
     def from_pretrained(cls, spec: str | None = None, config: EngineConfig | None = None, **overrides) -> "Engine":
         """Load a preset, HF directory or .gguf file. Keyword overrides are EngineConfig fields."""
         config = replace(config or EngineConfig(), **({"model": spec} if spec else {}), **overrides)
+        config.torch_device  # noqa: B018 - a CUDA device on a CPU-only machine fails here, before loading
         return cls(load_model(config.model, dtype=config.torch_dtype), config)
 
     def _default_store(self) -> ChunkStore:
         if self.config.store == "memory":
-            return MemoryStore()
+            return MemoryStore(self.config.store_bytes)
         root = Path(self.config.store_dir) if self.config.store_dir else default_cache_dir() / "chunks"
         return DiskStore(root, self.fingerprint)
 
     # ---- chunks -------------------------------------------------------------------------------
     def tokenize(self, text: str) -> torch.Tensor:
+        """Token ids of user text; special-token strings in it stay text."""
         return self.template.encode(text)
 
     def cache_chunk(self, text: str) -> str:
         """Encode `text` on its own once, rank its tokens and store it; returns its content-address id."""
+        if not isinstance(text, str):
+            raise TypeError(f"a chunk is text (str), got {type(text).__name__}")
         return self.cache_tokens(self.tokenize(text))
 
-    def cache_tokens(self, token_ids: torch.Tensor) -> str:
+    def cache_tokens(self, token_ids: torch.Tensor | Sequence[int]) -> str:
         """Like cache_chunk for text already tokenized (the ids are used exactly as given)."""
-        cid = chunk_id(self.fingerprint, token_ids)
-        self._tokens[cid] = token_ids
-        if self._lookup(cid) is None:
-            self.store.put(self._encode(token_ids))
+        ids = self._checked_ids(token_ids)
+        cid = chunk_id(self.fingerprint, ids)
+        with self._lock:
+            if self._lookup(cid) is None:
+                self.store.put(self._encode(ids))
+            self._tokens.put(cid, ids)
         return cid
+
+    def _checked_ids(self, token_ids) -> torch.Tensor:
+        """A chunk's ids as a 1-D int64 CPU tensor, or a clear error (nothing is stored on failure)."""
+        if not isinstance(token_ids, torch.Tensor):
+            if not isinstance(token_ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+            ):
+                raise ValueError("token ids must be a 1-D integer tensor or a list of ints")
+            token_ids = torch.tensor(token_ids, dtype=torch.int64)
+        if token_ids.dim() != 1:
+            raise ValueError(f"token ids must be 1-D, got shape {tuple(token_ids.shape)}")
+        if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
+            raise ValueError(f"token ids must be integers, got {token_ids.dtype}")
+        if token_ids.numel() == 0:
+            raise ValueError("cannot cache an empty chunk")
+        lo, hi = int(token_ids.min()), int(token_ids.max())
+        if lo < 0 or hi >= self.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got values in [{lo}, {hi}]")
+        if self.max_context is not None and token_ids.numel() > self.max_context:
+            raise RequestError(f"chunk of {token_ids.numel()} tokens is longer than the model's context window "
+                               f"({self.max_context} positions)")
+        return token_ids.to(torch.int64).cpu()
 
     def _lookup(self, cid: str) -> StoredChunk | None:
         try:
@@ -136,117 +168,200 @@ class Engine:
 
     def chunk(self, cid: str) -> StoredChunk:
         """The stored chunk; a missing or corrupt one is re-encoded if this engine knows its tokens."""
-        stored = self._lookup(cid)
-        if stored is None and cid in self._tokens:
-            self.store.put(self._encode(self._tokens[cid]))
-            stored = self.store.get(cid)
-        if stored is None:
-            raise KeyError(f"chunk {cid} is not in the store; cache its text with cache_chunk() first")
-        return stored
+        with self._lock:
+            stored = self._lookup(cid)
+            tokens = self._tokens.get(cid)
+            if stored is None and tokens is not None:
+                self.store.put(self._encode(tokens))
+                stored = self.store.get(cid)
+            if stored is None:
+                raise KeyError(f"chunk {cid} is not in the store; cache its text with cache_chunk() first")
+            return stored
 
     def _encode(self, token_ids: torch.Tensor):
-        ranker = self.ranker()
-        context = self.ranking_context() if ranker.needs_model else None
+        ranker = self.rankings.ranker()
+        context = self.rankings.context() if ranker.needs_model else None
         return encode_chunk(self.adapter, token_ids, self.fingerprint, ranker, context)
 
-    def ranker(self, spec: str | None = None) -> Ranker:
-        """The offline ranker named `spec` (None: the configured default, stored with every chunk)."""
-        if spec not in self._rankers:
-            self._rankers[spec] = get_ranker(spec or self.config.ranking, self.config.alpha)
-        return self._rankers[spec]
-
-    def ranking_context(self) -> RankingContext:
-        """Model and probe prefixes for rankers that run the model; probes are encoded on first use.
+    def _ranking_context(self) -> RankingContext:
+        """Model and probe prefixes for rankers that run the model (built on first need).
 
         Probe 0 is the prompt head a request puts before its documents (template start, default system
         prompt); probe i > 0 is that head followed by PROBE_PASSAGES[i-1] and the document separator."""
-        if self._ranking_context is None:
-            head = self.template.segments(DEFAULT_SYSTEM, "")[0]
-            passages = [torch.cat([head, self.tokenize(p + "\n\n")]) for p in PROBE_PASSAGES]
-            bos = getattr(self.tokenizer, "bos_token_id", None)
-            self._ranking_context = RankingContext(self.adapter, ProbeBank(self.adapter, [head, *passages]), bos)
-        return self._ranking_context
+        head = self.template.segments(DEFAULT_SYSTEM, "")[0]
+        passages = [torch.cat([head, self.tokenize(p + "\n\n")]) for p in PROBE_PASSAGES]
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        return RankingContext(self.adapter, ProbeBank(self.adapter, [head, *passages]), bos)
 
-    def scores(self, chunk: StoredChunk, spec: str | None = None) -> torch.Tensor:
-        """The chunk's offline scores [N] by a named ranker: the stored ones when the chunk was cached
-        with that ranker, otherwise computed once and kept.
+    # ---- prompts and methods ------------------------------------------------------------------
+    def build_prompt(self, chunks: Sequence[str], question: str, system: str | None = None) -> PromptLayout:
+        """Template start + system prompt, the cached chunks in the given order, then the question."""
+        if isinstance(chunks, str):
+            raise TypeError("chunks is a list of chunk ids, not one string")
+        before, after = self.template.segments(DEFAULT_SYSTEM if system is None else system, question)
+        return self.prompt_from(before, chunks, after)
 
-        Computing scores other than the stored ones reads every layer of the chunk from its tier (and
-        a probe ranker runs the model); callers that time requests ask before the clock starts."""
-        ranker = self.ranker(spec)
-        if chunk.ranker == ranker.name:
-            return chunk.scores
-        key = (chunk.chunk_id, ranker.name)
-        if key not in self._scores and isinstance(ranker, FusionRanker):
-            # A hybrid's parts are rankings in their own right: reuse (and keep) theirs.
-            self._scores[key] = rank_fusion([self.scores(chunk, part.name) for part in ranker.parts])
-        if key not in self._scores:
-            every = torch.arange(chunk.num_tokens)
-            layers = [chunk.load_layer(layer, every) for layer in range(self.adapter.num_layers)]
-            keys = torch.stack([k for k, _ in layers])  # [L, N, Hkv, D]
-            values = torch.stack([v for _, v in layers])
-            context = self.ranking_context() if ranker.needs_model else None
-            self._scores[key] = ranker.scores(ChunkView(chunk.token_ids, keys, values, context))
-        return self._scores[key]
-
-    def ranking(self, chunk: StoredChunk, spec: str | None = None) -> torch.Tensor:
-        """Local token indices, most worth recomputing first, by a named ranker (see `scores`)."""
-        if chunk.ranker == self.ranker(spec).name:
-            return chunk.ranking
-        return ranking_from_scores(self.scores(chunk, spec))
-
-    def cache_prefix(self, token_ids: torch.Tensor) -> int:
-        """Run a plain prefill of `token_ids` and keep its full blocks in the prefix cache.
-
-        The prefix method reuses these blocks exactly where a later prompt starts with the same
-        tokens (what a vLLM server holds after serving that text). Returns the number cached."""
-        full_blocks = (token_ids.numel() // self.prefix_cache.block_size) * self.prefix_cache.block_size
-        # match() never counts the last token, so probe with one more: are all full blocks cached?
-        if self.prefix_cache.match(torch.cat([token_ids, token_ids[:1]])) >= full_blocks:
-            return full_blocks
-        layout = PromptLayout([Segment(token_ids)])
-        result = full_prefill(self.adapter, layout, layout.total)
-        self.prefix_cache.insert(token_ids, result.cache)
-        return full_blocks
-
-    # ---- requests -----------------------------------------------------------------------------
-    def layout(self, chunks: Sequence[str], question: str, system: str | None = None,
-               label: str = QUESTION_LABEL, preamble: torch.Tensor | None = None) -> PromptLayout:
-        """Template start + system prompt, the cached chunks in the given order, then the question
-        (after `label`; pass "" when `question` is the complete text that follows the documents).
-        `preamble`: token ids of uncached text placed between the system prompt and the chunks."""
-        before, after = self.template.segments(DEFAULT_SYSTEM if system is None else system, question, label)
-        if preamble is not None and preamble.numel():
-            before = torch.cat([before, preamble])
+    def prompt_from(self, before: torch.Tensor, chunks: Sequence[str], after: torch.Tensor) -> PromptLayout:
+        """A prompt of uncached token ids `before`, the cached `chunks` in order, and `after`."""
         stored = [self.chunk(cid) for cid in chunks]
         return PromptLayout([Segment(before), *(Segment(c.token_ids, c) for c in stored), Segment(after)])
 
-    def prefill(self, layout: PromptLayout, method: str | TokenSelector = "cachetune", ratio: float = 0.15,
-                extra_capacity: int = 64, ranking: str | None = None) -> PrefillResult:
-        """Fill the KV cache for `layout` with `method` (a name in METHODS, "cachetune:<ranker>", or a
-        TokenSelector instance); `extra_capacity` rows are reserved for decoding. `ranking` picks the
-        offline ranker of the cachetune method (default: EngineConfig.ranking)."""
-        method = _with_ranking(method, ranking)
-        if isinstance(method, str) and not is_method(method):
-            raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}, cachetune:<ranker>")
-        if not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"ratio must be in [0, 1], got {ratio}")
-        capacity = layout.total + extra_capacity
-        if method == FULL_RECOMPUTE:
-            return full_prefill(self.adapter, layout, capacity)
-        if method == PREFIX:  # exact KV at the same positions: lossless, no self-check needed
-            return prefix_prefill(self.adapter, layout, self.prefix_cache, capacity)
-        if self.reuse_error is not None:
+    def method(self, spec: str | Method | None = None, ratio: float | None = None,
+               ranking: str | None = None) -> Method:
+        """A method by name ("cachetune", "cachetune:probe", ...; None: the configured default) with
+        settings from this engine's config and the given overrides, or a Method instance as it is."""
+        if isinstance(spec, Method):
+            return spec
+        return make_method(self.config.method if spec is None else spec, self.config, ratio=ratio, ranking=ranking)
+
+    def prepare(self, prompt: PromptLayout, method: Method) -> None:
+        """The method's untimed offline work for every chunk of `prompt` (e.g. a non-default ranking)."""
+        with self._lock:
+            for _, seg in prompt.chunk_segments:
+                method.prepare(self.context, seg.chunk)
+
+    def _check_servable(self, prompt: PromptLayout, method: Method, new_tokens: int) -> None:
+        if method.reuses_kv and self.reuse_error is not None:
             raise ReuseRefusedError(self.reuse_error)
-        if method == APE:
-            return ape_prefill(self.adapter, layout, capacity, self.ape_config)
-        selector = get_selector(method) if isinstance(method, str) else method
-        request = SelectionRequest(layout, self.adapter, self)
-        selections = selector.select(request, ratio)
-        if selector.drops_unselected:
-            return pruned_prefill(self.adapter, layout, selections, capacity)
-        fuse = selector.fusion(request, selections)
-        return selective_prefill(self.adapter, layout, selections, capacity, self.config.prefetch, fuse=fuse)
+        if self.max_context is not None and prompt.total + new_tokens > self.max_context:
+            raise RequestError(
+                f"prompt of {prompt.total} tokens plus {new_tokens} new tokens exceeds the model's context "
+                f"window of {self.max_context} positions"
+            )
+
+    @torch.no_grad()
+    def prefill(self, prompt: PromptLayout, method: str | Method | None = None, ratio: float | None = None,
+                ranking: str | None = None, capacity: int | None = None) -> Prefill:
+        """Fill a KV cache for `prompt` alone, outside the step loop (analysis, teacher forcing):
+        `capacity` rows are allocated (default: the prompt plus the default decode budget)."""
+        method = self.method(method, ratio, ranking)
+        with self._lock:
+            self._check_servable(prompt, method, 0)
+            return method.prefill(self.context, prompt, max(capacity or 0, prompt.total + self.config.max_new_tokens))
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(
+        self,
+        chunks: Sequence[str] = (),
+        question: str | None = None,
+        *,
+        system: str | None = None,
+        method: str | Method | None = None,
+        ratio: float | None = None,
+        ranking: str | None = None,
+        sampling: SamplingConfig | None = None,
+        on_token: TokenCallback | None = None,
+        on_finish: FinishCallback | None = None,
+        prompt: PromptLayout | None = None,
+    ) -> Request:
+        """Queue a request over the cached `chunks` (ids from cache_chunk, in prompt order) and
+        `question`, or over a ready `prompt`. It is served by later `step()` calls; `on_token(request,
+        id)` sees every generated token as it is sampled and `on_finish(request)` the end.
+
+        Raises (before anything is queued) for an unknown method or chunk, a prompt that does not fit
+        the model's context window or could never fit the KV budget, or reuse refused by the self-check."""
+        sampling = sampling or SamplingConfig(max_new_tokens=self.config.max_new_tokens)
+        if not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        method = self.method(method, ratio, ranking)
+        with self._lock:
+            if prompt is None:
+                if question is None:
+                    raise ValueError("a request needs a question (or a ready prompt)")
+                prompt = self.build_prompt(chunks, question, system)
+            self._check_servable(prompt, method, sampling.max_new_tokens)
+            request = Request(next(self._ids), prompt, method, sampling, prompt.total + sampling.max_new_tokens,
+                              on_token, on_finish, generator=sampling.generator())
+            self.scheduler.add(request)
+            self.prepare(prompt, method)
+        return request
+
+    def abort(self, request: Request) -> None:
+        """End a waiting or running request now; its KV rows are freed at once."""
+        with self._lock:
+            if not request.finished:
+                self._end(request, RequestStatus.ABORTED, "abort")
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_unfinished
+
+    def kv_usage(self) -> KVUsage:
+        with self._lock:
+            s = self.scheduler
+            return KVUsage(s.budget.total, s.budget.used, self.kv_bytes_per_row, len(s.waiting), len(s.running))
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """Admit waiting requests that fit and prefill each with its own method (its first token is
+        sampled from the prefill), then run one decode step for every running request together."""
+        with self._lock:
+            finished: list[Request] = []
+            start = time.perf_counter()
+            admitted = self.scheduler.schedule()
+            for request in admitted:
+                self._prefill(request, finished)
+            mid = time.perf_counter()
+            # Every running request has sampled a token it has not fed yet (its first, from prefill).
+            batch = list(self.scheduler.running)
+            decoded = 0
+            if batch:
+                caches = [r.prefill.cache for r in batch]
+                logits = decode_step(self.adapter, [r.output_ids[-1] for r in batch], caches,
+                                     [r.prefill.attention for r in batch])
+                for request, row in zip(batch, logits):
+                    self._emit(request, sample(row, request.sampling, request.generator), finished)
+                    decoded += 1
+            return StepResult(finished, len(admitted), decoded, mid - start, time.perf_counter() - mid)
+
+    def _prefill(self, request: Request, finished: list[Request]) -> None:
+        try:
+            capacity = request.rows
+            result = request.method.prefill(self.context, request.prompt, capacity)
+        except Exception as exc:  # one request's failure (a corrupt chunk...) never stops the others
+            log.warning("request %d failed in prefill: %s", request.id, exc)
+            request.error = exc
+            self._end(request, RequestStatus.FAILED, "error")
+            finished.append(request)
+            return
+        request.prefill = result
+        request.computed_tokens = result.computed_tokens
+        request.recomputed_tokens = result.recomputed_chunk_tokens
+        self._emit(request, sample(result.logits, request.sampling, request.generator), finished)
+
+    def _emit(self, request: Request, token: int, finished: list[Request]) -> None:
+        """Record a sampled token, stream it, and end the request on a stop token or its budget."""
+        if request.first_token_at is None:
+            request.first_token_at = time.perf_counter()
+        if token in self._stop_ids and not request.sampling.ignore_eos:
+            self._end(request, RequestStatus.FINISHED, "stop")
+            finished.append(request)
+            return
+        request.output_ids.append(token)
+        if request.on_token is not None:
+            try:
+                request.on_token(request, token)
+            except Exception as exc:  # a consumer that broke: end its request, keep serving the rest
+                request.error = exc
+                self._end(request, RequestStatus.FAILED, "error")
+                finished.append(request)
+                return
+        if len(request.output_ids) >= request.sampling.max_new_tokens:
+            self._end(request, RequestStatus.FINISHED, "length")
+            finished.append(request)
+
+    def _end(self, request: Request, status: RequestStatus, reason: str) -> None:
+        if status is RequestStatus.FINISHED and request.prefill is not None:
+            request.method.finish(self.context, request.prompt, request.prefill.cache)
+        self.scheduler.remove(request)
+        request.status, request.finish_reason = status, reason
+        request.finished_at = time.perf_counter()
+        request.prefill = None  # the KV goes with it
+        if request.on_finish is not None:
+            try:
+                request.on_finish(request)
+            except Exception:
+                log.exception("on_finish callback of request %d raised", request.id)
 
     def stop_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -254,59 +369,33 @@ class Engine:
         ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
         return {i for i in ids if i is not None}
 
-    @torch.no_grad()
-    def start_request(
-        self,
-        chunks: Sequence[str],
-        question: str,
-        system: str | None = None,
-        method: str | TokenSelector = "cachetune",
-        ratio: float = 0.15,
-        extra_capacity: int = 64,
-        label: str = QUESTION_LABEL,
-        preamble: torch.Tensor | None = None,
-        ranking: str | None = None,
-    ) -> tuple[PrefillResult, float]:
-        """Everything a request pays before its first token: layout, selection, loading, prefill.
-
-        Returns the prefill and the time to the first token in ms (the argmax over the first logits
-        is included; sampling costs the same for every method).
-        """
-        start = time.perf_counter()
-        layout = self.layout(chunks, question, system, label, preamble)
-        result = self.prefill(layout, method, ratio, extra_capacity, ranking)
-        int(torch.argmax(result.logits))  # reading the id waits for a GPU's queued kernels
-        return result, (time.perf_counter() - start) * 1000
-
-    @torch.no_grad()
     def generate(
         self,
         chunks: Sequence[str],
         question: str,
         system: str | None = None,
-        method: str = "cachetune",
-        ratio: float = 0.15,
+        method: str | Method | None = None,
+        ratio: float | None = None,
         sampling: SamplingConfig | None = None,
         ranking: str | None = None,
     ) -> GenerationResult:
-        """Answer `question` over the cached `chunks` (ids from cache_chunk, in prompt order).
-        `ranking`: the cachetune method's offline ranker (default: EngineConfig.ranking)."""
-        sampling = sampling or SamplingConfig()
-        method = _with_ranking(method, ranking)
-        result, ttft_ms = self.start_request(chunks, question, system, method, ratio, sampling.max_new_tokens)
-        step = partial(result.extend, self.adapter)
-        tokens = generate_tokens(step, result.logits, sampling, self.stop_ids())
-        if method in PREFILL_METHODS:
-            # Like vLLM's automatic prefix caching, remember served prompts; only exact KV goes in,
-            # never the approximate KV of a reuse method.
-            self.prefix_cache.insert(self.layout(chunks, question, system).input_ids, result.cache)
+        """Answer `question` over the cached `chunks` (ids from cache_chunk, in prompt order): one
+        request, stepped until it ends (other queued requests are served along with it)."""
+        request = self.add_request(chunks, question, system=system, method=method, ratio=ratio, ranking=ranking,
+                                   sampling=sampling)
+        while not request.finished:
+            self.step()
+        if request.error is not None:
+            raise request.error
+        settings = request.method.settings
         return GenerationResult(
-            text=self.tokenizer.decode(tokens, skip_special_tokens=True),
-            token_ids=tokens,
-            ttft_ms=ttft_ms,
-            prompt_tokens=result.prompt_tokens,
-            recomputed_tokens=result.recomputed_chunk_tokens,
-            computed_tokens=result.computed_tokens,
-            method=method,
-            ratio=ratio if method != FULL_RECOMPUTE else 1.0,
+            text=self.tokenizer.decode(request.output_ids, skip_special_tokens=True),
+            token_ids=list(request.output_ids),
+            ttft_ms=request.ttft_ms if request.ttft_ms is not None else 0.0,
+            prompt_tokens=request.prompt_tokens,
+            recomputed_tokens=request.recomputed_tokens,
+            computed_tokens=request.computed_tokens,
+            method=request.method.name,
+            ratio=1.0 if not request.method.reuses_kv else getattr(settings, "ratio", 0.0),
+            finish_reason=request.finish_reason or "",
         )

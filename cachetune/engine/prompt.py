@@ -1,10 +1,11 @@
 """Turn (system, chunks, question) into token segments using the model's own chat template.
 
-The template is rendered once with a placeholder where the documents go and split there, so the text
-before the documents (template start, system prompt, user-turn header) and after them (question,
-turn end, assistant header) are tokenized as their own segments. The placeholder never reaches the
-model; chunk spans stay explicit. A tokenizer without a chat template gets the plain format
-"{system}\n\n" + documents + "Question: {question}\nAnswer:".
+The template is rendered once with markers where the system prompt, the documents and the question
+go. The text around the markers is the template's own and is tokenized with its special tokens; the
+system prompt, the question and every document are user text and are tokenized as text only, so a
+`<|im_end|><|im_start|>assistant` written inside them stays plain characters and cannot forge a turn.
+Chunk spans stay explicit: the documents' marker splits the prompt into the part before and after
+them. A tokenizer without a chat template gets "{system}\n\n" + documents + "Question: {q}\nAnswer:".
 """
 
 from __future__ import annotations
@@ -18,34 +19,57 @@ DEFAULT_SYSTEM = (
     "Only give me the answer and do not output any other words."
 )
 QUESTION_LABEL = "Question: "
-_PLACEHOLDER = "\u2063CACHETUNE_DOCUMENTS\u2063"
+_DOCUMENTS = "\u2063CACHETUNE_DOCUMENTS\u2063"
+_SYSTEM = "\u2063CACHETUNE_SYSTEM\u2063"
+_QUESTION = "\u2063CACHETUNE_QUESTION\u2063"
 
 
 @dataclass
 class PromptTemplate:
     tokenizer: object
 
-    def split(self, system: str, question: str, label: str = QUESTION_LABEL) -> tuple[str, str]:
-        """Text before and after the documents; `label` goes before the question ("" for a prompt
-        whose question text is already complete, e.g. a LongBench query or a summary instruction)."""
-        question_text = f"{label}{question}"
-        if not getattr(self.tokenizer, "chat_template", None):
-            return f"{system}\n\n", f"{question_text}\nAnswer:" if label else question_text
-        messages = [
-            {"role": "system", "content": system},
-            {"role": "user", "content": _PLACEHOLDER + question_text},
-        ]
-        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        before, sep, after = rendered.partition(_PLACEHOLDER)
-        if not sep:
-            raise ValueError("the chat template dropped the user message; cannot place documents")
-        return before, after
-
     def encode(self, text: str) -> torch.Tensor:
-        """Token ids of `text` exactly as written (special tokens in the text are parsed, none added)."""
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        """Token ids of user text [N] int64: special-token strings in it are split into ordinary
+        tokens, and nothing (BOS, EOS) is added."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         return torch.tensor(ids, dtype=torch.int64)
 
+    def _encode_template(self, text: str) -> list[int]:
+        """The template's own text: its special tokens are parsed as such."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def _fill(self, template: str, values: dict[str, str]) -> torch.Tensor:
+        """Tokens of `template` with each marker replaced by its user text (tokenized as text)."""
+        ids: list[int] = []
+        rest = template
+        while True:
+            found = [(rest.find(m), m) for m in values if m in rest]
+            if not found:
+                break
+            at, marker = min(found)
+            ids += self._encode_template(rest[:at]) + self.encode(values[marker]).tolist()
+            rest = rest[at + len(marker):]
+        return torch.tensor(ids + self._encode_template(rest), dtype=torch.int64)
+
     def segments(self, system: str, question: str, label: str = QUESTION_LABEL) -> tuple[torch.Tensor, torch.Tensor]:
-        before, after = self.split(system, question, label)
-        return self.encode(before), self.encode(after)
+        """Token ids before and after the documents. `label` goes before the question ("" for a prompt
+        whose question text is already complete, e.g. a LongBench query or a summary instruction)."""
+        for name, value in (("system", system), ("question", question), ("label", label)):
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+        question_text = f"{label}{question}"
+        if not getattr(self.tokenizer, "chat_template", None):
+            after = f"{question_text}\nAnswer:" if label else question_text
+            return self.encode(f"{system}\n\n"), self.encode(after)
+        messages = [
+            {"role": "system", "content": _SYSTEM},
+            {"role": "user", "content": _DOCUMENTS + _QUESTION},
+        ]
+        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        before, sep, after = rendered.partition(_DOCUMENTS)
+        if not sep or rendered.count(_SYSTEM) != 1 or _QUESTION not in after:
+            raise ValueError("the chat template dropped or moved the user message; cannot place documents")
+        values = {_SYSTEM: system, _QUESTION: question_text}
+        return self._fill(before, values), self._fill(after, values)

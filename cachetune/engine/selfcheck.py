@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from cachetune.chunks.encode import encode_chunk
-from cachetune.engine.layout import PromptLayout, Segment
-from cachetune.engine.prefill import full_prefill, selective_prefill
+from cachetune.errors import CachetuneError
+from cachetune.methods.layout import PromptLayout, Segment
+from cachetune.methods.prefill import full_prefill, selective_prefill
 from cachetune.model.adapter import ModelAdapter
 from cachetune.store.memory import MemoryStore
 
@@ -21,7 +22,7 @@ from cachetune.store.memory import MemoryStore
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 6e-2, torch.float16: 2e-2}
 
 
-class ReuseRefusedError(RuntimeError):
+class ReuseRefusedError(CachetuneError, RuntimeError):
     """Selective prefill disagreed with the plain forward; only full_recompute is allowed."""
 
 

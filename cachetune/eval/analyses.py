@@ -19,13 +19,14 @@ import torch
 from tqdm import tqdm
 
 from cachetune.chunks.ranking import top_share
-from cachetune.engine.engine import FULL_RECOMPUTE, Engine
-from cachetune.engine.prefill import selective_prefill
+from cachetune.config import EngineConfig
+from cachetune.engine.engine import Engine
 from cachetune.eval.datasets import QAExample
 from cachetune.eval.harness import DOCUMENT_SEPARATOR, TASK_SYSTEM, Setting, Variant
 from cachetune.eval.report import pyplot, save_figure
-from cachetune.selectors import RankedSelector
-from cachetune.selectors.prophetkv import QuestionAttention
+from cachetune.methods.full_recompute import FULL_RECOMPUTE
+from cachetune.methods.prefill import selective_prefill
+from cachetune.methods.prophetkv import QuestionAttention
 
 RATIOS = (0.05, 0.10, 0.15, 0.20, 0.30, 0.40)
 ALPHAS = (0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
@@ -41,14 +42,14 @@ ROBUSTNESS_RANKERS = ("lf", "highfreq", "random")
 FULL = Variant(FULL_RECOMPUTE, FULL_RECOMPUTE, 1.0)
 
 
-def sweep_variants(ratios=RATIOS, alphas=ALPHAS, alpha_ratio: float = 0.15) -> list[Variant]:
+def sweep_variants(ratios=RATIOS, alphas=ALPHAS, alpha_ratio: float = EngineConfig.ratio) -> list[Variant]:
     out = [FULL]
     out += [Variant(f"r={r:g}", "cachetune", r) for r in ratios]
-    out += [Variant(f"alpha={a:g}", RankedSelector(f"alpha={a:g}", f"lf:{a:g}"), alpha_ratio) for a in alphas]
+    out += [Variant(f"alpha={a:g}", f"cachetune:lf:{a:g}", alpha_ratio) for a in alphas]
     return out
 
 
-def robustness_variants(ratio: float = 0.15, rankers=ROBUSTNESS_RANKERS) -> list[Variant]:
+def robustness_variants(ratio: float = EngineConfig.ratio, rankers=ROBUSTNESS_RANKERS) -> list[Variant]:
     out = [FULL, Variant("full_reuse", "full_reuse", 0.0)]
     return out + [Variant(f"cachetune:{r}", f"cachetune:{r}", ratio) for r in rankers]
 
@@ -107,21 +108,21 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @torch.no_grad()
 def attention_similarity(engine: Engine, examples: list[QAExample], chunk_counts=(2, 5, 10),
-                         ratio: float = 0.15, progress: bool = True) -> dict:
+                         ratio: float = EngineConfig.ratio, progress: bool = True) -> dict:
     """Per method and number of chunks: mean over examples and layers of cos(attn_method, attn_full)."""
     methods = {"full_reuse": None, **SELECTIONS}
     sims: dict[str, dict[int, list[float]]] = {m: {n: [] for n in chunk_counts} for m in methods}
     for ex in tqdm(examples, desc="attention", disable=not progress):
         ids = [engine.cache_chunk(doc + DOCUMENT_SEPARATOR) for doc in ex.documents]
         for n in chunk_counts:
-            layout = engine.layout(ids[:n], ex.question, TASK_SYSTEM[ex.task])
+            layout = engine.build_prompt(ids[:n], ex.question, TASK_SYSTEM[ex.task])
             chunks = [seg.chunk for _, seg in layout.chunk_segments]
             reference = _question_attention(engine, layout, [torch.arange(c.num_tokens) for c in chunks])
             for method, ranker in methods.items():
                 if ranker is None:
                     sel = [torch.empty(0, dtype=torch.int64) for _ in chunks]
                 else:
-                    sel = [top_share(engine.ranking(c, ranker), ratio) for c in chunks]
+                    sel = [top_share(engine.rankings.ranking(c, ranker), ratio) for c in chunks]
                 got = _question_attention(engine, layout, sel)
                 sims[method][n].append(statistics.fmean(_cosine(a, b) for a, b in zip(reference, got)))
     return {

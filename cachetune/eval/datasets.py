@@ -115,7 +115,8 @@ def load_ircot(path: str | Path, limit: int | None = None, name: str | None = No
         documents = _documents(row, "contexts", "paragraph_text", bad)
         answers = _ircot_answers(row["answers_objects"])
         if not answers:
-            raise bad("'answers_objects' must be a list of objects with non-empty string 'spans'")
+            raise bad("'answers_objects' must be a list of objects whose 'spans' is a non-empty string "
+                      "or a list of them")
         question = _nonempty_str(row, "question_text", bad)
         examples.append(QAExample(f"{prefix}-{i}", documents, question, answers))
     return examples
@@ -398,9 +399,21 @@ def _samsum_row(row: Any, index: int, path: Path) -> tuple[str, str]:
 
 
 def _ircot_answers(objects: Any) -> list[str]:
+    """All spans of all answer objects; [] (an error for the caller) when any span is not a non-empty string.
+
+    `spans` is normally a list; a bare string is one span (iterating it would give its characters)."""
     if not isinstance(objects, list) or not all(isinstance(o, dict) for o in objects):
         return []
-    spans = [s for o in objects for s in (o.get("spans") or [])]
+    spans: list[Any] = []
+    for o in objects:
+        raw = o.get("spans")
+        if raw is None:
+            continue
+        if isinstance(raw, str):
+            raw = [raw]
+        if not isinstance(raw, list):
+            return []
+        spans.extend(raw)
     return spans if all(isinstance(s, str) and s.strip() for s in spans) else []
 
 

@@ -30,10 +30,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from cachetune.config import EngineConfig
 from cachetune.chunks.kv import encode_kv
 from cachetune.chunks.rankers import ChunkView, get_ranker
 from cachetune.chunks.ranking import NOISE_FLOOR, kv_drift, layer_drift, lf_scores, ranking_from_scores, top_share
-from cachetune.engine.layout import PromptLayout
+from cachetune.methods.layout import PromptLayout
 from cachetune.eval.harness import DOCUMENT_SEPARATOR
 from cachetune.eval.datasets import QAExample
 from cachetune.model.adapter import ModelAdapter
@@ -82,9 +83,9 @@ def position_profile(drift: torch.Tensor, bins: int = DECILES) -> torch.Tensor:
 
 @dataclass
 class DriftConfig:
-    ratio: float = 0.15
+    ratio: float = EngineConfig.ratio
     rankers: tuple[str, ...] = ("lf", "highfreq", "l2", "random", "first")
-    alpha: float = 0.5
+    alpha: float = EngineConfig.alpha
     separator: str = DOCUMENT_SEPARATOR  # appended to every document, as `cachetune bench` does
     ratios: tuple[float, ...] = ()       # more ratios to report Recall@r at (the reference changes with r)
 
@@ -179,21 +180,21 @@ def run_drift_recall(engine, examples: list[QAExample], config: DriftConfig | No
                      progress: bool = True) -> dict:
     """Recall@ratio of each ranker against the high-drift tokens of every chunk of every example.
 
-    `engine` needs `name`, `adapter`, `cache_chunk(text)`, `chunk(id)` and `layout(ids, question)`,
-    and `ranking_context()` for rankers that run the model (cachetune.Engine has them all). Returns a JSON-ready report; see format_drift_table for the summary.
+    `engine` needs `name`, `adapter`, `cache_chunk(text)`, `chunk(id)` and `build_prompt(ids, question)`,
+    and `rankings.context()` for rankers that run the model (cachetune.Engine has them all). Returns a JSON-ready report; see format_drift_table for the summary.
     """
     config = config or DriftConfig()
     adapter = engine.adapter
     totals = _Totals(recall={name: [] for name in config.rankers})
     rankers = {name: get_ranker(name, config.alpha) for name in config.rankers}
-    context = engine.ranking_context() if any(r.needs_model for r in rankers.values()) else None
+    context = engine.rankings.context() if any(r.needs_model for r in rankers.values()) else None
     if context is not None:  # probe prefixes are encoded once per engine: not a per-chunk cost
         for i in range(len(context.probes)):
             context.probes.probe(i)
     records, skipped = [], 0
     for ex in tqdm(examples, desc="drift", disable=not progress):
         ids = [engine.cache_chunk(doc + config.separator) for doc in ex.documents]
-        layout = engine.layout(ids, ex.question)
+        layout = engine.build_prompt(ids, ex.question)
         ctx_k, ctx_v = (x.cpu() for x in context_kv(adapter, layout))  # [L, T, Hkv, D]
         chunks = []
         for start, seg in layout.chunk_segments:

@@ -14,7 +14,9 @@ stopped (the run's settings are checked first) and `limit` can grow a run step b
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -22,12 +24,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cachetune.engine.decode import SamplingConfig, generate_tokens
-from cachetune.engine.engine import FULL_RECOMPUTE, METHODS, PREFIX, Engine, is_method
+from cachetune.config import EngineConfig
+from cachetune.engine.engine import Engine
 from cachetune.engine.prompt import DEFAULT_SYSTEM, QUESTION_LABEL
 from cachetune.eval.datasets import QAExample
 from cachetune.eval.metrics import kl_to_reference, score_answer, top1_agreement
-from cachetune.selectors import TokenSelector, get_selector, is_selector
+from cachetune.methods import Prefill, PromptLayout, Segment, is_method, method_names, method_settings
+from cachetune.methods.full_recompute import FULL_RECOMPUTE, PREFIX
+from cachetune.runtime.decode import SamplingConfig, generate_tokens
 
 DOCUMENT_SEPARATOR = "\n\n"  # appended to every document so chunks read as separate passages
 TASK_SYSTEM = {
@@ -39,8 +43,8 @@ TASK_MAX_NEW_TOKENS = {"qa": 32, "summarization": 128}
 
 @dataclass
 class EvalConfig:
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
-    ratio: float = 0.15
+    methods: list[str] = field(default_factory=method_names)
+    ratio: float = EngineConfig.ratio
     ratios: tuple[float, ...] = ()      # several budgets: each ratio-using method once per r, "name@r"
     max_new_tokens: int | None = None  # None: per task (TASK_MAX_NEW_TOKENS)
     repeats: int = 0                    # extra timing-only passes per example, method order rotated
@@ -50,7 +54,7 @@ class EvalConfig:
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if not is_method(m)]
         if unknown:
-            raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}, cachetune:<ranker>")
+            raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(method_names())}, cachetune:<ranking>")
         for r in (self.ratio, *self.ratios):
             if not 0.0 <= r <= 1.0:
                 raise ValueError(f"ratio must be in [0, 1], got {r}")
@@ -65,7 +69,7 @@ class EvalConfig:
             return [Variant(m, m, self.ratio) for m in self.methods]
         out = []
         for m in self.methods:
-            if is_selector(m) and get_selector(m).uses_ratio:
+            if uses_ratio(m):
                 out += [Variant(f"{m}@{r:g}", m, r) for r in self.ratios]
             else:
                 out.append(Variant(m, m, self.ratio))
@@ -82,12 +86,17 @@ class EvalConfig:
         return key
 
 
+def uses_ratio(method: str) -> bool:
+    """Whether the method has a recompute budget (runs once per ratio of a --ratios sweep)."""
+    return "ratio" in {f.name for f in dataclasses.fields(method_settings(method))}
+
+
 @dataclass(frozen=True)
 class Variant:
-    """One way to serve a request: a method (name or selector instance) at a ratio, under a label."""
+    """One way to serve a request: a method spec ("cachetune:lf:0.3", ...) at a ratio, under a label."""
 
     label: str
-    method: str | TokenSelector
+    method: str
     ratio: float
 
 
@@ -101,9 +110,21 @@ class _Request:
     sampling: SamplingConfig
     preamble: torch.Tensor | None = None  # uncached text before the chunks (robustness analysis)
 
-    def start(self, variant: Variant, extra: int):
-        return self.engine.start_request(self.chunk_ids, self.example.question, self.system, variant.method,
-                                         variant.ratio, extra, self.label, self.preamble)
+    def prompt(self) -> PromptLayout:
+        """Template and system prompt, the preamble, the chunks, then the question after `label`."""
+        before, after = self.engine.template.segments(self.system, self.example.question, self.label)
+        if self.preamble is not None and self.preamble.numel():
+            before = torch.cat([before, self.preamble])
+        return self.engine.prompt_from(before, self.chunk_ids, after)
+
+    def start(self, variant: Variant, extra: int) -> tuple[Prefill, float]:
+        """Everything a request pays before its first token (prompt assembly, selection, loading,
+        prefill, the argmax); returns the prefill and that time in ms. `extra` rows are for decoding."""
+        start = time.perf_counter()
+        prompt = self.prompt()
+        result = self.engine.prefill(prompt, variant.method, variant.ratio, capacity=prompt.total + extra)
+        int(torch.argmax(result.logits))  # reading the id waits for a GPU's queued kernels
+        return result, (time.perf_counter() - start) * 1000
 
     def decode(self, result) -> list[int]:
         stop_when = self._first_line_done if self.example.task == "qa" else None
@@ -121,18 +142,29 @@ def prepare(engine: Engine, example: QAExample, variants: list[Variant], system:
     system = system if system is not None else TASK_SYSTEM[example.task]
     label = "" if example.verbatim else QUESTION_LABEL
     ids = [engine.cache_chunk(doc + DOCUMENT_SEPARATOR) for doc in example.documents]
-    selectors = [get_selector(v.method) if isinstance(v.method, str) else v.method for v in variants
-                 if isinstance(v.method, TokenSelector) or is_selector(v.method)]
-    rankers = {s.ranker for s in selectors if s.reads_ranking}
-    for cid in ids:
-        for ranker in rankers:
-            engine.scores(engine.chunk(cid), ranker)
-    if any(v.method == PREFIX for v in variants):
-        before = engine.layout([], example.question, system, label).segments[0].token_ids
-        for cid in ids:
-            engine.cache_prefix(torch.cat([before, engine.chunk(cid).token_ids]))
     budget = max_new_tokens or TASK_MAX_NEW_TOKENS[example.task]
-    return _Request(engine, example, ids, system, label, SamplingConfig(max_new_tokens=budget))
+    req = _Request(engine, example, ids, system, label, SamplingConfig(max_new_tokens=budget))
+    prompt = req.prompt()
+    for variant in variants:
+        engine.prepare(prompt, engine.method(variant.method, variant.ratio))
+    if any(v.method == PREFIX for v in variants):
+        before = prompt.segments[0].token_ids
+        for cid in ids:
+            seed_prefix_cache(engine, torch.cat([before, engine.chunk(cid).token_ids]))
+    return req
+
+
+def seed_prefix_cache(engine: Engine, token_ids: torch.Tensor) -> int:
+    """Run a plain prefill of `token_ids` and keep its full blocks in the engine's prefix cache (what a
+    vLLM server holds after serving that text); returns the number of tokens cached."""
+    cache = engine.prefix_cache
+    full_blocks = (token_ids.numel() // cache.block_size) * cache.block_size
+    # match() never counts the last token, so probe with one more: are all full blocks cached?
+    if cache.match(torch.cat([token_ids, token_ids[:1]])) >= full_blocks:
+        return full_blocks
+    prompt = PromptLayout([Segment(token_ids)])
+    cache.insert(token_ids, engine.prefill(prompt, FULL_RECOMPUTE).cache)
+    return full_blocks
 
 
 def _teacher_forced_logits(engine: Engine, result, answer: list[int]) -> torch.Tensor:
@@ -193,18 +225,39 @@ class ProgressLog:
         self.key = key
         self.records: dict[tuple[str, str], dict] = {}
         if self.path.exists():
-            for line_no, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), start=1):
+            data = self.path.read_bytes()
+            for line_no, line in enumerate(data.split(b"\n"), start=1):
                 if not line.strip():
                     continue
                 try:
                     row = json.loads(line)
-                except json.JSONDecodeError:
+                except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
                     # A line cut short by an interrupted write: drop it, the example will run again.
                     continue
                 if row.get("key") != key:
                     raise ValueError(f"{self.path}: line {line_no} was written by another run {row.get('key')} "
                                      f"(this run: {key}); use another --json path or delete the file")
                 self.records[(row["record"]["dataset"], row["record"]["id"])] = row["record"]
+            self._end_last_line(data)
+
+    def _end_last_line(self, data: bytes) -> None:
+        """Make the next append start on a line of its own (`data`: the file as read).
+
+        An unterminated last line is what a crash mid-write leaves: if it does not parse, the file is
+        cut back to the end of the line before it (appending to it would garble the next record too);
+        if it does parse, the record is complete and kept: only its newline is added."""
+        end = data.rfind(b"\n") + 1  # end of the last complete line; 0 when there is none
+        tail = data[end:]
+        if not tail.strip():
+            return
+        try:
+            json.loads(tail)
+        except ValueError:
+            with self.path.open("r+b") as f:
+                f.truncate(end)
+        else:
+            with self.path.open("ab") as f:
+                f.write(b"\n")
 
     def done(self, dataset: str, example_id: str) -> dict | None:
         return self.records.get((dataset, example_id))

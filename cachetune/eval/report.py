@@ -8,7 +8,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from cachetune.engine.engine import FULL_RECOMPUTE
+from cachetune.methods.full_recompute import FULL_RECOMPUTE
 from cachetune.eval.metrics import paired_ratio, summarize
 
 METRIC_NAME = {"qa": "f1", "summarization": "rougeL"}

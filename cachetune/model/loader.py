@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from cachetune.errors import ModelLoadError
+
 from .presets import DEFAULT_PRESET, PRESETS, default_cache_dir, resolve_preset
 
 __all__ = ["LoadedModel", "default_cache_dir", "load_model", "model_fingerprint", "cache_key"]
@@ -37,6 +40,11 @@ CACHE_FORMAT = 1
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "cachetune_meta.json"  # written last: its presence marks a complete cache dir
 ATTN_IMPLEMENTATION = "sdpa"
+
+# What transformers, safetensors and the GGUF readers raise for a file that is missing, truncated or
+# not what it claims to be (found by loading such files, see tests/test_loader.py). Anything else is
+# left alone: it is a bug, not a broken file.
+_BROKEN_FILE_ERRORS = (OSError, ValueError, struct.error, safetensors.SafetensorError)
 
 
 @dataclass
@@ -65,7 +73,7 @@ def load_model(
     elif path.is_file() and path.suffix == ".gguf":
         gguf = path
     else:
-        raise ValueError(
+        raise ModelLoadError(
             f"unknown model {name!r}: not a preset ({', '.join(PRESETS)}), "
             "nor a directory with config.json, nor a .gguf file"
         )
@@ -81,9 +89,42 @@ def load_model(
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    """Raises ModelLoadError naming the file for a broken weights file, config or tokenizer."""
+    _check_safetensors(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    except _BROKEN_FILE_ERRORS as exc:
+        raise ModelLoadError(f"cannot load the model in {path}: {_describe(exc)}") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except _BROKEN_FILE_ERRORS as exc:
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {_describe(exc)}") from exc
     return model.eval(), tokenizer
+
+
+def _check_safetensors(path: Path) -> None:
+    """Read every weights file's header: a file cut short or not safetensors at all is named here
+    (transformers' own error does not say which file)."""
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safetensors.safe_open(file, framework="pt"):
+                pass
+        except (OSError, safetensors.SafetensorError) as exc:
+            raise ModelLoadError(
+                f"{file}: not a valid safetensors file, corrupt or truncated ({_describe(exc)})"
+            ) from exc
+
+
+def _describe(exc: BaseException) -> str:
+    """One line about what went wrong: the innermost cause (transformers re-raises a GGUF parse error
+    as "not a valid JSON file"), with its message on one line."""
+    while exc.__cause__ is not None or (exc.__context__ is not None and not exc.__suppress_context__):
+        exc = exc.__cause__ or exc.__context__
+    kind = type(exc).__name__
+    if kind == "error":  # struct.error
+        kind = f"{type(exc).__module__}.{kind}"
+    text = " ".join(str(exc).split())
+    return f"{kind}: {text}" if text else kind
 
 
 # ---------------------------------------------------------------- GGUF -> safetensors cache
@@ -136,11 +177,16 @@ def _is_complete(target: Path, key: str) -> bool:
 
 
 def _load_gguf(gguf: Path, dtype: torch.dtype) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
-    """Dequantize a GGUF into a torch model (slow; done once per cache key)."""
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    """Dequantize a GGUF into a torch model (slow; done once per cache key).
+
+    Raises ModelLoadError for a file that is truncated or garbage behind a valid header."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except _BROKEN_FILE_ERRORS as exc:
+        raise ModelLoadError(f"{gguf}: not a readable GGUF model, corrupt or truncated ({_describe(exc)})") from exc
     return model, tokenizer
 
 

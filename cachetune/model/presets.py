@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cachetune.errors import CachetuneError
+
 DEFAULT_PRESET = "smollm2-135m"
 
 # Qwen2.5-Coder-1.5B-Instruct Q4_K_M, split raw into 22 third-party chunk packages.
@@ -27,8 +29,8 @@ QWEN_NUM_PARTS = 22
 QWEN_PART_VERSION = "0.2.0"
 
 
-class PresetUnavailableError(RuntimeError):
-    """A preset's packages are missing or its assembled file is wrong."""
+class PresetUnavailableError(CachetuneError, RuntimeError):
+    """A preset's packages are missing or its assembled file is wrong (the user can install them)."""
 
 
 def default_cache_dir() -> Path:

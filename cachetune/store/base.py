@@ -7,9 +7,10 @@ from abc import ABC, abstractmethod
 import torch
 
 from cachetune.chunks.encode import EncodedChunk
+from cachetune.errors import CachetuneError
 
 
-class CorruptChunkError(RuntimeError):
+class CorruptChunkError(CachetuneError, RuntimeError):
     """A stored chunk failed its integrity or model check; it has been dropped from the store."""
 
 

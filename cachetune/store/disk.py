@@ -23,6 +23,7 @@ from safetensors.torch import save
 
 from cachetune.chunks.encode import ENCODING_VERSION, EncodedChunk, chunk_id
 from cachetune.chunks.ranking import ranking_from_scores
+from cachetune.lru import LRUDict
 from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
 
 FORMAT = "cachetune-chunk/2"  # /2 added the ranker name and its scores
@@ -110,13 +111,16 @@ class DiskChunk(StoredChunk):
 
 
 class DiskStore(ChunkStore):
-    """Chunks under `root/<fingerprint prefix>/`, so several models can share one directory."""
+    """Chunks under `root/<fingerprint prefix>/`, so several models can share one directory.
 
-    def __init__(self, root: str | Path, fingerprint: str):
+    Verified handles (each holds its file open) are kept for the `max_open` most recently used chunks;
+    a chunk past that is verified again on its next use."""
+
+    def __init__(self, root: str | Path, fingerprint: str, max_open: int = 1024):
         self.fingerprint = fingerprint
         self.root = Path(root) / fingerprint[:16]
         self.root.mkdir(parents=True, exist_ok=True)
-        self._verified: dict[str, DiskChunk] = {}
+        self._verified: LRUDict[str, DiskChunk] = LRUDict(max_open)
 
     def path(self, chunk_id: str) -> Path:
         if not _ID.match(chunk_id):  # ids are content addresses; anything else could escape the folder
@@ -151,7 +155,7 @@ class DiskStore(ChunkStore):
         except CorruptChunkError:
             path.unlink(missing_ok=True)
             raise
-        self._verified[chunk_id] = stored
+        self._verified.put(chunk_id, stored)
         return stored
 
     def _verify(self, path: Path, expected_id: str) -> DiskChunk:

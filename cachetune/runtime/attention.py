@@ -175,3 +175,18 @@ def _dense_masked(q, k, v, q_pos, scale, sliding_window):
     vh = _heads_first(v).repeat_interleave(g, dim=1)
     out = F.scaled_dot_product_attention(_heads_first(q), kh, vh, attn_mask=mask, scale=scale)
     return out[0].transpose(0, 1)
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None = None
+) -> torch.Tensor:
+    """One new query over every key before it: q [Hq, D] (the last position), k/v [Hkv, N, D]
+    heads-first (KVCache.key_store rows) with the query's own key last. No mask and no copy of K/V:
+    query heads are folded onto their KV head (HF's repeat_kv order), so one kernel call reads each
+    key once. Returns [Hq, D].
+    """
+    kv_heads, n, d = k.shape
+    if sliding_window is not None and sliding_window < n:
+        k, v = k[:, n - sliding_window :], v[:, n - sliding_window :]  # keys j > p - window
+    qf = q.view(1, kv_heads, -1, d)                                           # [1, Hkv, G, D]
+    return F.scaled_dot_product_attention(qf, k.unsqueeze(0), v.unsqueeze(0), scale=scale).view(-1, d)

@@ -1,29 +1,34 @@
-"""Prefill strategies: the model's own full forward, and selective recompute over cached chunks."""
+"""Prefill building blocks the methods share: the model's own full forward, selective recompute over
+cached chunks, pruning, and reuse of an exact prefix. Each returns a `Prefill`."""
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
 
-from cachetune.engine.forward import FuseFn, ObserveFn, forward_active
-from cachetune.engine.kv_cache import KVCache
-from cachetune.engine.layout import PromptLayout, Segment
-from cachetune.engine.loading import LayerLoader
-from cachetune.engine.prefix_cache import PrefixCache
+from cachetune.methods.layout import PromptLayout, Segment
+from cachetune.methods.prefix_cache import PrefixCache
 from cachetune.model.adapter import ModelAdapter
+from cachetune.runtime.decode import extend
+from cachetune.runtime.forward import AttentionFn, FuseFn, ObserveFn, forward_active
+from cachetune.runtime.kv_cache import KVCache
+from cachetune.runtime.loading import LayerLoader
 
 
-class PrefillResult:
-    """A filled KV cache (rows [0, prompt_tokens), room left for decoding) and the next-token logits."""
+class Prefill:
+    """A filled KV cache (rows [0, prompt_tokens), room left for decoding) and the next-token logits.
+
+    `attention` is the decode attention of the method that made it (None: causal over all rows)."""
 
     def __init__(self, cache, logits: torch.Tensor, prompt_tokens: int, computed_tokens: int,
-                 recomputed_chunk_tokens: int, capacity: int = 0):
+                 recomputed_chunk_tokens: int, capacity: int = 0, attention: AttentionFn | None = None):
         self._cache = cache                # a KVCache, or a transformers cache converted on first use
         self._capacity = capacity
         self.logits = logits               # [vocab] float32, after the last prompt token
         self.prompt_tokens = prompt_tokens
         self.computed_tokens = computed_tokens              # tokens that went through the layers
         self.recomputed_chunk_tokens = recomputed_chunk_tokens  # of those, tokens of cached chunks
+        self.attention = attention
 
     @property
     def cache(self) -> KVCache:
@@ -34,16 +39,12 @@ class PrefillResult:
         return self._cache
 
     def extend(self, adapter: ModelAdapter, token_ids: list[int]) -> torch.Tensor:
-        """Decode step(s): append tokens to the cache; returns their next-token logits [len, vocab].
-
-        Methods whose attention differs from the model's own (APE) override this."""
-        from cachetune.engine.decode import extend
-
-        return extend(adapter, self.cache, token_ids)
+        """Decode step(s): append tokens to the cache; returns their next-token logits [len, vocab]."""
+        return extend(adapter, self.cache, token_ids, self.attention)
 
 
 @torch.no_grad()
-def full_prefill(adapter: ModelAdapter, layout: PromptLayout, capacity: int) -> PrefillResult:
+def full_prefill(adapter: ModelAdapter, layout: PromptLayout, capacity: int) -> Prefill:
     """What a user would run without reuse: one plain forward of the model over the whole prompt."""
     ids = layout.input_ids.to(adapter.device)
     # An explicit config-less DynamicCache keeps every row of every layer; the default cache would
@@ -51,7 +52,7 @@ def full_prefill(adapter: ModelAdapter, layout: PromptLayout, capacity: int) -> 
     out = adapter.model(input_ids=ids[None], cache=DynamicCache(), use_cache=True, logits_to_keep=1)
     n = layout.total
     chunk_tokens = sum(s.token_ids.numel() for _, s in layout.chunk_segments)
-    return PrefillResult(out.cache, out.logits[0, -1].float(), n, n, chunk_tokens, capacity)
+    return Prefill(out.cache, out.logits[0, -1].float(), n, n, chunk_tokens, capacity)
 
 
 @torch.no_grad()
@@ -63,7 +64,7 @@ def selective_prefill(
     prefetch: bool = True,
     observe: ObserveFn | None = None,
     fuse: FuseFn | None = None,
-) -> PrefillResult:
+) -> Prefill:
     """Recompute uncached text and the selected chunk tokens; reuse all other chunk KV.
 
     selections: per cached chunk (prompt order), sorted local indices to recompute.
@@ -92,19 +93,18 @@ def selective_prefill(
     cache = KVCache.empty(
         adapter.num_layers, max(capacity, layout.total), adapter.num_kv_heads, adapter.head_dim, adapter.dtype, device
     )
-    rope = adapter.rope_tables(torch.arange(cache.capacity, device=device))
     with LayerLoader(parts, adapter.num_layers, device, adapter.dtype, prefetch) as loader:
         hidden = forward_active(
-            adapter, adapter.embed(ids), active_pos.to(device), cache, rope, reused=loader, last_only=True,
+            adapter, adapter.embed(ids), active_pos.to(device), cache, reused=loader, last_only=True,
             observe=observe, fuse=fuse,
         )
     logits = adapter.logits(hidden[-1:])[0]
-    return PrefillResult(cache, logits, layout.total, int(active_pos.numel()), recomputed)
+    return Prefill(cache, logits, layout.total, int(active_pos.numel()), recomputed)
 
 
 @torch.no_grad()
 def prefix_prefill(adapter: ModelAdapter, layout: PromptLayout, prefix_cache: PrefixCache,
-                   capacity: int) -> PrefillResult:
+                   capacity: int) -> Prefill:
     """Reuse the longest cached prefix (exact KV); compute everything after it in one forward.
 
     The suffix is one contiguous run of queries, which our attention serves with one causal call
@@ -122,17 +122,16 @@ def prefix_prefill(adapter: ModelAdapter, layout: PromptLayout, prefix_cache: Pr
         cache.values[:, :hit] = values.to(device)
     cache.length = hit
     active_pos = torch.arange(hit, layout.total, device=device)
-    rope = adapter.rope_tables(torch.arange(cache.capacity, device=device))
-    hidden = forward_active(adapter, adapter.embed(ids[hit:].to(device)), active_pos, cache, rope, last_only=True)
+    hidden = forward_active(adapter, adapter.embed(ids[hit:].to(device)), active_pos, cache, last_only=True)
     logits = adapter.logits(hidden[-1:])[0]
     # Chunk tokens after the hit are recomputed; those inside it were reused.
     recomputed = sum(max(0, start + seg.chunk.num_tokens - max(start, hit)) for start, seg in layout.chunk_segments)
-    return PrefillResult(cache, logits, layout.total, layout.total - hit, recomputed)
+    return Prefill(cache, logits, layout.total, layout.total - hit, recomputed)
 
 
 @torch.no_grad()
 def pruned_prefill(adapter: ModelAdapter, layout: PromptLayout, selections: list[torch.Tensor],
-                   capacity: int) -> PrefillResult:
+                   capacity: int) -> Prefill:
     """Keep only the selected tokens of each chunk, drop the rest from the prompt, run a full prefill.
 
     The kept tokens get consecutive positions (the dropped ones never existed for the model)."""

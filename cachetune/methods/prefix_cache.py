@@ -15,7 +15,18 @@ from dataclasses import dataclass
 
 import torch
 
-from cachetune.engine.kv_cache import KVCache
+from cachetune.runtime.kv_cache import KVCache
+
+
+def chained_block_hashes(token_ids: torch.Tensor, block_size: int, blocks: int) -> list[bytes]:
+    """Key of each of the first `blocks` full blocks: a sha256 over the block's ids chained to its parent's."""
+    out, parent = [], b""
+    ids = token_ids.to(torch.int64).cpu()
+    for b in range(blocks):
+        chunk = ids[b * block_size:(b + 1) * block_size].numpy().tobytes()
+        parent = hashlib.sha256(parent + chunk).digest()
+        out.append(parent)
+    return out
 
 
 @dataclass
@@ -38,15 +49,6 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def _hashes(self, token_ids: torch.Tensor, blocks: int) -> list[bytes]:
-        out, parent = [], b""
-        ids = token_ids.to(torch.int64).cpu()
-        for b in range(blocks):
-            chunk = ids[b * self.block_size:(b + 1) * self.block_size].numpy().tobytes()
-            parent = hashlib.sha256(parent + chunk).digest()
-            out.append(parent)
-        return out
-
     def match(self, token_ids: torch.Tensor) -> int:
         """Tokens of the longest cached prefix usable for this prompt (a multiple of block_size)."""
         return len(self._matched_blocks(token_ids)) * self.block_size
@@ -54,7 +56,7 @@ class PrefixCache:
     def _matched_blocks(self, token_ids: torch.Tensor) -> list[_Block]:
         usable = (token_ids.numel() - 1) // self.block_size  # the last token is always computed
         found = []
-        for b, key in enumerate(self._hashes(token_ids, usable)):
+        for b, key in enumerate(chained_block_hashes(token_ids, self.block_size, usable)):
             block = self._blocks.get(key)
             span = token_ids[b * self.block_size:(b + 1) * self.block_size].cpu()
             if block is None or not torch.equal(block.token_ids, span):
@@ -75,7 +77,7 @@ class PrefixCache:
     def insert(self, token_ids: torch.Tensor, cache: KVCache) -> None:
         """Remember the full blocks of a prompt whose KV fills rows [0, len(token_ids)) of `cache`."""
         blocks = min(token_ids.numel(), cache.length) // self.block_size
-        for b, key in enumerate(self._hashes(token_ids, blocks)):
+        for b, key in enumerate(chained_block_hashes(token_ids, self.block_size, blocks)):
             if key in self._blocks:
                 self._blocks.move_to_end(key)
                 continue

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from cachetune.engine.layout import PromptLayout
-from cachetune.engine.prefill import selective_prefill
+from cachetune.methods.base import Method, RatioSettings, register
+from cachetune.methods.layout import PromptLayout
+from cachetune.methods.prefill import selective_prefill
+from cachetune.methods.selector import SelectionRequest, SelectiveMethod, TokenSelector, split_global_top
 from cachetune.model.adapter import ModelAdapter
-from cachetune.selectors.base import SelectionRequest, TokenSelector, split_global_top
 
 
 class QuestionAttention:
@@ -57,3 +58,9 @@ class ProphetKVSelector(TokenSelector):
         attention = observer.mean()
         scores = [attention[start:start + seg.chunk.num_tokens] for start, seg in layout.chunk_segments]
         return split_global_top(scores, ratio)
+
+
+@register("prophetkv", RatioSettings,
+          summary="the `ratio` of context tokens the question attends to most over a full-reuse pass")
+def _prophetkv(settings: RatioSettings) -> Method:
+    return SelectiveMethod(ProphetKVSelector(), settings)

@@ -1,27 +1,22 @@
-"""The token-selector contract: which tokens of each reused chunk a request recomputes."""
+"""Selective recompute as a method: a token selector picks, per reused chunk, the tokens a request
+recomputes in its new context; everything else is loaded from the store (or, for pruning
+selectors, dropped). Every selector-based method (cachetune, cacheblend, epic, ...) is a
+`SelectiveMethod` around one `TokenSelector`."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from cachetune.chunks.rankers import Ranker
 from cachetune.chunks.ranking import top_share
-from cachetune.engine.forward import FuseFn
-from cachetune.engine.layout import PromptLayout
+from cachetune.methods.base import Method, MethodContext, RankingSource
+from cachetune.methods.layout import PromptLayout
+from cachetune.methods.prefill import Prefill, pruned_prefill, selective_prefill
 from cachetune.model.adapter import ModelAdapter
+from cachetune.runtime.forward import FuseFn
 from cachetune.store.base import StoredChunk
-
-
-class RankingSource(Protocol):
-    """Offline rankings by ranker name (None: the configured default); cachetune.Engine is one."""
-
-    def ranker(self, spec: str | None = None) -> Ranker: ...
-
-    def scores(self, chunk: StoredChunk, spec: str | None = None) -> torch.Tensor: ...
 
 
 @dataclass
@@ -54,7 +49,6 @@ class TokenSelector(ABC):
 
     name: str
     reads_ranking: bool = False    # reads an offline ranking (callers compute it before timing)
-    uses_ratio: bool = True        # False: selects the same tokens whatever the ratio
     ranker: str | None = None      # which one (None: the engine's configured default)
     drops_unselected: bool = False
 
@@ -81,3 +75,28 @@ def split_global_top(scores: list[torch.Tensor], ratio: float) -> list[torch.Ten
         out.append(chosen[mask] - start)
         start += n
     return out
+
+
+class SelectiveMethod(Method):
+    """Recompute what `selector` picks at the settings' ratio (0 for settings without one)."""
+
+    def __init__(self, selector: TokenSelector, settings):
+        self.selector = selector
+        self.settings = settings
+        self.name = selector.name
+
+    @property
+    def ratio(self) -> float:
+        return getattr(self.settings, "ratio", 0.0)
+
+    def prepare(self, ctx: MethodContext, chunk: StoredChunk) -> None:
+        if self.selector.reads_ranking:  # computed once per chunk and kept, so requests never pay it
+            ctx.rankings.scores(chunk, self.selector.ranker)
+
+    def prefill(self, ctx: MethodContext, layout: PromptLayout, capacity: int) -> Prefill:
+        request = SelectionRequest(layout, ctx.adapter, ctx.rankings)
+        selections = self.selector.select(request, self.ratio)
+        if self.selector.drops_unselected:
+            return pruned_prefill(ctx.adapter, layout, selections, capacity)
+        fuse = self.selector.fusion(request, selections)
+        return selective_prefill(ctx.adapter, layout, selections, capacity, ctx.prefetch, fuse=fuse)

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from cachetune.engine.forward import FuseFn
-from cachetune.selectors.base import SelectionRequest
-from cachetune.selectors.cacheblend import CacheBlendSelector
+from cachetune.methods.base import Method, register
+from cachetune.methods.cacheblend import CacheBlendSelector, CheckLayerSettings
+from cachetune.methods.selector import SelectionRequest, SelectiveMethod
+from cachetune.runtime.forward import FuseFn
 
 FIRST_FUSED_LAYER = 2
 
@@ -63,3 +64,9 @@ class CacheSlideSelector(CacheBlendSelector):
             return k, v
 
         return fuse
+
+
+@register("cacheslide", CheckLayerSettings,
+          summary="like CacheBlend by key deviation, recomputed K/V blended into the cached ones")
+def _cacheslide(settings: CheckLayerSettings) -> Method:
+    return SelectiveMethod(CacheSlideSelector(settings.check_layer), settings)

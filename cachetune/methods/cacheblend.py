@@ -13,11 +13,15 @@ ratio / num_layers of a full prefill, while the reused layer-0 K/V of the others
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from cachetune.engine.forward import forward_active
-from cachetune.engine.kv_cache import KVCache
-from cachetune.selectors.base import SelectionRequest, TokenSelector, split_global_top
+from cachetune.config import EngineConfig
+from cachetune.methods.base import Method, check_ratio, register
+from cachetune.methods.selector import SelectionRequest, SelectiveMethod, TokenSelector, split_global_top
+from cachetune.runtime.forward import forward_active
+from cachetune.runtime.kv_cache import KVCache
 
 
 class CacheBlendSelector(TokenSelector):
@@ -36,10 +40,10 @@ class CacheBlendSelector(TokenSelector):
         adapter, layout = request.adapter, request.layout
         check = min(self.check_layer, adapter.num_layers - 1)
         device = adapter.device
-        pos = torch.arange(layout.total, device=device)
+        rows = torch.arange(layout.total, device=device)
         cache = KVCache.empty(check, layout.total, adapter.num_kv_heads, adapter.head_dim, adapter.dtype, device)
         hidden = adapter.embed(layout.input_ids.to(device))
-        hidden = forward_active(adapter, hidden, pos, cache, adapter.rope_tables(pos), layers=range(check))
+        hidden = forward_active(adapter, hidden, rows, cache, layers=range(check))
         _, k, v = adapter.project_qkv(check, hidden)  # [T, Hkv, D], keys before RoPE like the store's
         deviations = []
         for start, seg in layout.chunk_segments:
@@ -49,3 +53,19 @@ class CacheBlendSelector(TokenSelector):
             new, old = (v[span], old_v) if self.deviation == "value" else (k[span], old_k)
             deviations.append((new.float() - old.to(device).float()).pow(2).sum(dim=(1, 2)))
         return split_global_top(deviations, ratio)
+
+
+@dataclass(frozen=True)
+class CheckLayerSettings:
+    ratio: float = EngineConfig.ratio  # share of all chunk tokens recomputed (one budget over the context)
+    check_layer: int = 1               # where deviations are measured (>= 1: layer 0 never deviates)
+
+    def __post_init__(self) -> None:
+        check_ratio(self.ratio)
+        if isinstance(self.check_layer, bool) or not isinstance(self.check_layer, int) or self.check_layer < 1:
+            raise ValueError(f"check_layer must be an integer >= 1, got {self.check_layer!r}")
+
+
+@register("cacheblend", CheckLayerSettings, summary="the `ratio` of context tokens whose values deviate most at layer 1")
+def _cacheblend(settings: CheckLayerSettings) -> Method:
+    return SelectiveMethod(CacheBlendSelector(settings.check_layer), settings)

@@ -1,29 +1,41 @@
-"""Decoding from a prefilled KVCache: sampling, the generation loop and teacher forcing."""
+"""Sampling and single-request decoding: teacher forcing (`extend`) and the plain generation loop."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from cachetune.engine.forward import forward_active
-from cachetune.engine.kv_cache import KVCache
 from cachetune.model.adapter import ModelAdapter
+from cachetune.runtime.forward import AttentionFn, forward_active
+from cachetune.runtime.kv_cache import KVCache
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingConfig:
     max_new_tokens: int = 64
     temperature: float = 0.0   # 0 means greedy
     top_p: float = 1.0
-    seed: int | None = None
+    seed: int | None = None    # seeds the request's own generator (same draws on every device)
+    ignore_eos: bool = False   # decode exactly max_new_tokens (benchmarks)
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
+        for name in ("max_new_tokens", "temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be an integer >= 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+
+    def generator(self) -> torch.Generator | None:
+        """A fresh CPU generator for one request (None when greedy or unseeded)."""
+        return torch.Generator().manual_seed(self.seed) if self.seed is not None else None
 
 
 def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> int:
@@ -40,27 +52,19 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
 
 
 @torch.no_grad()
-def extend(adapter: ModelAdapter, cache: KVCache, token_ids: list[int]) -> torch.Tensor:
-    """Append tokens after cache.length; returns their next-token logits [len, vocab] (float32)."""
+def extend(adapter: ModelAdapter, cache: KVCache, token_ids: list[int], attention: AttentionFn | None = None
+           ) -> torch.Tensor:
+    """Append tokens after cache.length (positions continue from the last row's); returns their
+    next-token logits [len, vocab] (float32). `attention`: the request's own rule (APE), if any."""
     device = adapter.device
-    start = cache.length
-    pos = torch.arange(start, start + len(token_ids), device=device)
-    cache.ensure_capacity(start + len(token_ids))
-    # Only the new positions need RoPE tables; index them relative to `start`.
-    tables = adapter.rope_tables(pos)
-    rope = {kind: (_shifted(cos, start), _shifted(sin, start)) for kind, (cos, sin) in tables.items()}
-    hidden = forward_active(adapter, adapter.embed(torch.tensor(token_ids, device=device)), pos, cache, rope)
+    start, n = cache.length, len(token_ids)
+    cache.ensure_capacity(start + n)
+    first = cache.next_position()
+    cache.positions[start:start + n] = torch.arange(first, first + n, device=cache.positions.device)
+    rows = torch.arange(start, start + n, device=device)
+    hidden = forward_active(adapter, adapter.embed(torch.tensor(token_ids, device=device)), rows, cache,
+                            attention=attention)
     return adapter.logits(hidden)
-
-
-class _shifted:
-    """A table of rows for positions start.. indexed by absolute position (avoids a full-size table)."""
-
-    def __init__(self, rows: torch.Tensor, start: int):
-        self.rows, self.start = rows, start
-
-    def __getitem__(self, pos: torch.Tensor) -> torch.Tensor:
-        return self.rows[pos - self.start]
 
 
 @torch.no_grad()
@@ -74,15 +78,15 @@ def generate_tokens(
     """Sample from `first_logits`, then decode one token at a time until a stop id or the budget.
 
     step(ids) appends tokens to the request's cache and returns their logits [len, vocab] (e.g.
-    `functools.partial(extend, adapter, cache)` or a PrefillResult's method-aware `extend`).
+    `functools.partial(extend, adapter, cache)` or a Prefill's method-aware `extend`).
     `stop_when(ids)` ends generation early once it returns True (e.g. a complete first line when
     only the first line is scored). Returns the generated ids without the stop token."""
-    generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
+    generator = cfg.generator()
     out: list[int] = []
     logits = first_logits
     while True:
         token = sample(logits, cfg, generator)
-        if token in stop_ids:
+        if token in stop_ids and not cfg.ignore_eos:
             break
         out.append(token)
         if len(out) >= cfg.max_new_tokens or (stop_when is not None and stop_when(out)):

@@ -8,18 +8,23 @@ on CUDA the copy runs on a side stream and hands off through an event, as in the
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 import torch
 
-from cachetune.store.base import StoredChunk
+
+class LayerSource(Protocol):
+    """Anything that reads one layer of some of its rows (a stored chunk: cachetune.store.StoredChunk)."""
+
+    def load_layer(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class LayerLoader:
-    """Implements forward.ReusedKV for a request: parts are (chunk, local indices, global positions)."""
+    """Implements forward.ReusedKV for a request: parts are (source, local indices, KV rows to fill)."""
 
     def __init__(
         self,
-        parts: list[tuple[StoredChunk, torch.Tensor, torch.Tensor]],
+        parts: list[tuple[LayerSource, torch.Tensor, torch.Tensor]],
         num_layers: int,
         device: torch.device,
         dtype: torch.dtype,
@@ -30,7 +35,7 @@ class LayerLoader:
         self.device = device
         self.dtype = dtype
         empty = torch.empty(0, dtype=torch.int64)
-        self.positions = torch.cat([p[2] for p in self.parts]).to(device) if self.parts else empty.to(device)
+        self.rows = torch.cat([p[2] for p in self.parts]).to(device) if self.parts else empty.to(device)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-load") if prefetch and self.parts else None
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" and self._pool else None
         self._pending: dict[int, Future] = {}

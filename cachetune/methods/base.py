@@ -1,0 +1,180 @@
+"""Methods as plug-ins: the `Method` contract, its context, and the registry every method joins.
+
+A method decides how a request's KV cache is filled from its prompt and the chunk store (recompute
+everything, reuse an exact prefix, reuse chunks and recompute some of their tokens, ...) and, when
+it differs from plain causal attention, how later tokens attend. The engine knows methods only
+through this file: it looks a name up in the registry, builds the method with its settings, and
+calls `prepare`, `prefill` and `finish`.
+
+    @register("epic", EpicSettings, summary="the first k tokens of every chunk")
+    def _epic(settings: EpicSettings) -> Method: ...
+
+    make_method("cachetune:probe", EngineConfig(), ratio=0.2)   # settings from the config + overrides
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+
+from cachetune.chunks.rankers import Ranker
+from cachetune.config import EngineConfig
+from cachetune.methods.layout import PromptLayout
+from cachetune.methods.prefill import Prefill
+from cachetune.methods.prefix_cache import PrefixCache
+from cachetune.model.adapter import ModelAdapter
+from cachetune.runtime.kv_cache import KVCache
+from cachetune.store.base import StoredChunk
+
+
+class RankingSource(Protocol):
+    """Offline rankings by ranker name (None: the configured default); methods.rankings implements it."""
+
+    def ranker(self, spec: str | None = None) -> Ranker: ...
+
+    def scores(self, chunk: StoredChunk, spec: str | None = None) -> torch.Tensor: ...
+
+
+@dataclass
+class MethodContext:
+    """What a method may use while it serves a request (one per engine, shared by every request)."""
+
+    adapter: ModelAdapter
+    rankings: RankingSource
+    prefix_cache: PrefixCache
+    prefetch: bool = True  # load layer l+1's reused KV while layer l computes
+
+
+class Method(ABC):
+    """One way to fill a request's KV cache.
+
+    Contract:
+    - `prepare(ctx, chunk)`: the untimed, offline work a cached chunk needs before this method can
+      serve it (e.g. computing an offline ranking other than the stored one). Idempotent; default none.
+    - `prefill(ctx, layout, capacity)`: fill rows [0, layout.total) of a KVCache with room for at
+      least `capacity` rows and return it with the logits after the last prompt token. All of its work
+      counts toward time to first token. The KV belongs to the request: the method keeps no reference.
+    - decoding uses the returned Prefill's `attention` for every later token (None: causal over all
+      rows, the model's own attention).
+    - `finish(ctx, layout, cache)`: called once when a request served by this method ends normally,
+      with its KV; default none (exact methods remember the prompt for prefix reuse).
+    Attributes: `name` (the registered spec it was made from), `settings` (a frozen dataclass) and
+    `reuses_kv`: False when its KV is the model's own (allowed even where reuse was refused).
+    """
+
+    name: str
+    settings: Any
+    reuses_kv: bool = True
+
+    def prepare(self, ctx: MethodContext, chunk: StoredChunk) -> None:
+        return None
+
+    @abstractmethod
+    def prefill(self, ctx: MethodContext, layout: PromptLayout, capacity: int) -> Prefill: ...
+
+    def finish(self, ctx: MethodContext, layout: PromptLayout, cache: KVCache) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class NoSettings:
+    """The settings of a method that has none."""
+
+
+@dataclass(frozen=True)
+class RatioSettings:
+    ratio: float = EngineConfig.ratio  # share of chunk tokens recomputed
+
+    def __post_init__(self) -> None:
+        check_ratio(self.ratio)
+
+
+def check_ratio(ratio: float) -> None:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"ratio must be a number in [0, 1], got {ratio!r}")
+
+
+@dataclass(frozen=True)
+class Registered:
+    factory: Callable[[Any], Method]  # settings -> method
+    settings: type
+    suffix: str | None                # settings field that "name:<value>" sets (cachetune:<ranking>)
+    summary: str
+
+
+METHODS: dict[str, Registered] = {}
+SHARED = ("ratio", "ranking")  # settings whose defaults come from the engine's config
+IGNORABLE = ("ratio",)         # a request's ratio is ignored by methods without a budget (EPIC, full reuse)
+
+
+def register(name: str, settings: type = NoSettings, suffix: str | None = None, summary: str = ""):
+    """Decorator: register `factory(settings) -> Method` under `name` (one name, one entry)."""
+
+    def wrap(factory):
+        if name in METHODS:
+            raise ValueError(f"method {name!r} is registered twice")
+        METHODS[name] = Registered(factory, settings, suffix, summary)
+        return factory
+
+    return wrap
+
+
+def method_names() -> list[str]:
+    """Every registered method name, in registration order."""
+    return list(METHODS)
+
+
+def _entry(spec: str) -> tuple[str, Registered, str | None]:
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"a method is named by a non-empty string, got {spec!r}; known: {', '.join(METHODS)}")
+    base, sep, arg = spec.partition(":")
+    entry = METHODS.get(base)
+    if entry is None:
+        raise ValueError(f"unknown method {spec!r}; known: {', '.join(METHODS)} (and cachetune:<ranking>)")
+    if sep and entry.suffix is None:
+        raise ValueError(f"method {base!r} takes no ':' argument (got {spec!r})")
+    return base, entry, arg if sep else None
+
+
+def make_method(spec: str, config: EngineConfig | None = None, **overrides) -> Method:
+    """Build the method `spec` ("name" or "name:arg") with settings taken, in order of precedence, from
+    `overrides` that are not None, the ":" argument, `config` (ratio, ranking) and the defaults.
+
+    An override the method has no setting for is an error, except `ratio` (methods without a budget
+    ignore it, so one ratio can be passed to every method of a comparison)."""
+    base, entry, arg = _entry(spec)
+    fields = {f.name for f in dataclasses.fields(entry.settings)}
+    values: dict[str, Any] = {}
+    if config is not None:
+        values.update({k: getattr(config, k) for k in SHARED if k in fields})
+    if arg is not None:
+        values[entry.suffix] = arg
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if key in fields:
+            values[key] = value
+        elif key not in IGNORABLE:
+            raise ValueError(f"method {base!r} has no setting {key!r} (its settings: {sorted(fields) or 'none'})")
+    method = entry.factory(entry.settings(**values))
+    # A ":" setting given as an override names the method as if spelled out ("cachetune:first").
+    given = overrides.get(entry.suffix) if entry.suffix else None
+    method.name = f"{base}:{given}" if given is not None else spec
+    return method
+
+
+def is_method(spec: str) -> bool:
+    try:
+        make_method(spec)
+    except ValueError:
+        return False
+    return True
+
+
+def method_settings(spec: str) -> type:
+    """The settings dataclass of a registered method."""
+    return _entry(spec)[1].settings
