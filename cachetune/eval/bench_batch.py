@@ -10,9 +10,11 @@ checked against, token for token.
 Reported per (size, c): decode tokens/s (tokens of the batched decode steps over their time), end-to-end
 tokens/s (all generated tokens over the wall time of the batch), the decode speedup over c = 1, TTFT
 (add_request to first token, queueing included) median / p95 / max, and whether every request's tokens
-equal its tokens alone. With `repeats` > 1 the levels run that many times, interleaved (1, 4, 8, 16,
-1, 4, ...), so a slow spell of a shared machine does not land on one level only; rates are medians
-over the repeats and TTFTs are pooled.
+equal its tokens alone. `hf_baseline` adds, per concurrency level, Hugging Face's own batched greedy
+decode of the same full prompts (left-padded, its growing DynamicCache): tokens/s of the steps after
+its first token, stamped from inside its loop. With `repeats` > 1 the levels run that many times,
+interleaved (1, 4, 8, 16, 1, 4, ...), so a slow spell of a shared machine does not land on one level
+only; rates are medians over the repeats and TTFTs are pooled.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from cachetune.engine.engine import Engine
 from cachetune.engine.prompt import QUESTION_LABEL
@@ -43,6 +46,7 @@ class BatchBenchConfig:
     ratio: float | None = None  # None: the engine's default ratio
     sizes: dict[str, int] = field(default_factory=dict)  # size name -> documents per prompt (0: all)
     repeats: int = 1  # passes over the concurrency levels, interleaved
+    hf_baseline: bool = False  # also time transformers' own batched decode at every level
 
     def __post_init__(self) -> None:
         if not self.concurrency or min(self.concurrency) < 1:
@@ -51,6 +55,38 @@ class BatchBenchConfig:
             raise ValueError("repeats must be >= 1")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+
+
+class _StepClock(StoppingCriteria):
+    """Never stops generation; stamps the time after every generated token (prefill + first, then each step)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        if input_ids.is_cuda:
+            torch.cuda.synchronize(input_ids.device)
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+@torch.no_grad()
+def hf_decode_rate(engine: Engine, prompts: list[PromptLayout], new_tokens: int) -> float:
+    """Decode tokens/s of transformers' `generate` on the prompts as one left-padded greedy batch: the
+    steps after the first token, timed from inside the loop (so the prefill is not counted)."""
+    model, tokenizer = engine.model, engine.tokenizer
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    longest = max(p.total for p in prompts)
+    ids = torch.full((len(prompts), longest), pad, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, longest - p.total:] = p.input_ids
+        mask[i, longest - p.total:] = 1
+    clock = _StepClock()
+    model.generate(input_ids=ids.to(engine.adapter.device), attention_mask=mask.to(engine.adapter.device),
+                   max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, do_sample=False,
+                   pad_token_id=pad, stopping_criteria=StoppingCriteriaList([clock]))
+    return len(prompts) * new_tokens / (clock.times[-1] - clock.times[0])
 
 
 def _prompt(engine: Engine, example: QAExample, documents: int) -> PromptLayout:
@@ -104,6 +140,8 @@ def run_bench_batch(engine: Engine, sets: dict[str, list[QAExample]], cfg: Batch
         passes = [c for _ in range(cfg.repeats) for c in cfg.concurrency]
         for c in tqdm(passes, desc=f"{name} batches", disable=not progress):
             runs[c].append(_serve(engine, prompts[:c], cfg))
+        hf = {c: hf_decode_rate(engine, prompts[:c], cfg.max_new_tokens) for c in cfg.concurrency} \
+            if cfg.hf_baseline else {}
         base = None
         for c in cfg.concurrency:
             got = runs[c]
@@ -126,6 +164,7 @@ def run_bench_batch(engine: Engine, sets: dict[str, list[QAExample]], cfg: Batch
                 "ttft_alone_ms_median": statistics.median(a["ttft_ms"][0] for a in alone[:c]),
                 "tokens_equal_alone": all(g["tokens"] == reference[:c] for g in got),
                 "wall_s": statistics.fmean(g["wall_s"] for g in got),
+                **({"hf_decode_tokens_per_s": hf[c], "hf_decode_speedup_vs_1": hf[c] / hf[min(hf)]} if hf else {}),
             })
     method = engine.method(cfg.method, cfg.ratio)
     return {
@@ -140,24 +179,26 @@ COLUMNS = [("size", "size"), ("concurrency", "requests"), ("prompt_tokens_mean",
            ("end_to_end_tokens_per_s", "end-to-end tok/s"), ("ttft_ms_median", "TTFT median ms"),
            ("ttft_ms_p95", "TTFT p95 ms"), ("ttft_alone_ms_median", "TTFT alone ms"),
            ("tokens_equal_alone", "tokens = alone")]
+HF_COLUMNS = [("hf_decode_tokens_per_s", "HF decode tok/s"), ("hf_decode_speedup_vs_1", "HF vs fewest")]
+
+
+def _cell(key: str, value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        if key.endswith("speedup_vs_1"):
+            return f"{value:.2f}x"
+        return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+    return str(value)
 
 
 def format_batch_table(report: dict) -> str:
+    columns = COLUMNS + (HF_COLUMNS if report["config"].get("hf_baseline") else [])
     lines = [f"{report['model']} {report['dtype']} on {report['device']}, {report['threads']} threads, "
              f"method {report['method']}, {report['config']['max_new_tokens']} new tokens per request", "",
-             "| " + " | ".join(title for _, title in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+             "| " + " | ".join(title for _, title in columns) + " |", "|" + "---|" * len(columns)]
     for row in report["rows"]:
-        cells = []
-        for key, _ in COLUMNS:
-            value = row[key]
-            if isinstance(value, bool):
-                cells.append("yes" if value else "NO")
-            elif isinstance(value, float):
-                cells.append(f"{value:.2f}x" if key == "decode_speedup_vs_1" else f"{value:,.0f}"
-                             if value >= 100 else f"{value:.1f}")
-            else:
-                cells.append(str(value))
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(_cell(key, row.get(key)) for key, _ in columns) + " |")
     return "\n".join(lines)
 
 
@@ -168,9 +209,11 @@ def plot_batch(report: dict, path: str | Path) -> Path:
     for size in dict.fromkeys(r["size"] for r in report["rows"]):
         rows = [r for r in report["rows"] if r["size"] == size]
         xs = [r["concurrency"] for r in rows]
-        left.plot(xs, [r["decode_tokens_per_s"] for r in rows], "o-", label=size)
-        right.plot(xs, [r["ttft_ms_median"] / 1000 for r in rows], "o-", label=f"{size} median")
-        right.plot(xs, [r["ttft_ms_p95"] / 1000 for r in rows], "s:", label=f"{size} p95")
+        color = left.plot(xs, [r["decode_tokens_per_s"] for r in rows], "o-", label=size)[0].get_color()
+        if "hf_decode_tokens_per_s" in rows[0]:
+            left.plot(xs, [r["hf_decode_tokens_per_s"] for r in rows], "s:", color=color, label=f"{size}, HF generate")
+        right.plot(xs, [r["ttft_ms_median"] / 1000 for r in rows], "o-", color=color, label=f"{size} median")
+        right.plot(xs, [r["ttft_ms_p95"] / 1000 for r in rows], "s:", color=color, label=f"{size} p95")
     left.set(xlabel="concurrent requests", ylabel="decode tokens/s", title="batched decode throughput")
     right.set(xlabel="concurrent requests", ylabel="TTFT (s, queueing included)", title="time to first token")
     for ax in (left, right):
