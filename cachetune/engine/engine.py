@@ -317,8 +317,7 @@ class Engine:
 
     def _prefill(self, request: Request, finished: list[Request]) -> None:
         try:
-            capacity = request.rows
-            result = request.method.prefill(self.context, request.prompt, capacity)
+            result = request.method.prefill(self.context, request.prompt, request.rows)
         except Exception as exc:  # one request's failure (a corrupt chunk...) never stops the others
             log.warning("request %d failed in prefill: %s", request.id, exc)
             request.error = exc
