@@ -173,7 +173,7 @@ def _teacher_forced_logits(engine: Engine, result, answer: list[int]) -> torch.T
     if not answer:
         return first
     rest = result.extend(engine.adapter, answer)
-    result.cache.truncate(result.prompt_tokens)
+    result.cache.truncate(result.prompt_rows)
     return torch.cat([first, rest])
 
 
@@ -190,7 +190,7 @@ def run_example(engine: Engine, req: _Request, variants: list[Variant], dataset:
         result, ttft = req.start(variant, req.sampling.max_new_tokens + 1)
         if variant.method == FULL_RECOMPUTE:
             ref_answer = answer = req.decode(result)
-            result.cache.truncate(result.prompt_tokens)
+            result.cache.truncate(result.prompt_rows)
             ref_logits = _teacher_forced_logits(engine, result, ref_answer)
             record["prompt_tokens"] = result.prompt_tokens
             kl, top1 = 0.0, [1.0] * ref_logits.shape[0]

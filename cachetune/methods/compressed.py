@@ -88,7 +88,7 @@ def compressed_prefill(adapter, layout: PromptLayout, capacity: int, block: int,
     ids = torch.cat([s.token_ids for s in layout.segments if not s.cached]).to(device)
     with LayerLoader(parts, adapter.num_layers, device, adapter.dtype, prefetch) as loader:
         hidden = forward_active(adapter, adapter.embed(ids), rows, cache, reused=loader, last_only=True)
-    return Prefill(cache, adapter.logits(hidden[-1:])[0], layout.total, int(rows.numel()), 0)
+    return Prefill(cache, adapter.logits(hidden[-1:])[0], layout.total, int(rows.numel()), 0, prompt_rows=row)
 
 
 class CompressedChunks(Method):

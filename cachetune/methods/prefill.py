@@ -16,16 +16,20 @@ from cachetune.runtime.loading import LayerLoader
 
 
 class Prefill:
-    """A filled KV cache (rows [0, prompt_tokens), room left for decoding) and the next-token logits.
+    """A filled KV cache (rows [0, prompt_rows), room left for decoding) and the next-token logits.
 
-    `attention` is the decode attention of the method that made it (None: causal over all rows)."""
+    `prompt_rows` equals `prompt_tokens` unless the method stores fewer rows than the prompt has
+    tokens (compressed chunk KV). `attention` is the decode attention of the method that made it
+    (None: causal over all rows)."""
 
     def __init__(self, cache, logits: torch.Tensor, prompt_tokens: int, computed_tokens: int,
-                 recomputed_chunk_tokens: int, capacity: int = 0, attention: AttentionFn | None = None):
+                 recomputed_chunk_tokens: int, capacity: int = 0, attention: AttentionFn | None = None,
+                 prompt_rows: int | None = None):
         self._cache = cache                # a KVCache, or a transformers cache converted on first use
         self._capacity = capacity
         self.logits = logits               # [vocab] float32, after the last prompt token
         self.prompt_tokens = prompt_tokens
+        self.prompt_rows = prompt_tokens if prompt_rows is None else prompt_rows
         self.computed_tokens = computed_tokens              # tokens that went through the layers
         self.recomputed_chunk_tokens = recomputed_chunk_tokens  # of those, tokens of cached chunks
         self.attention = attention
