@@ -113,3 +113,20 @@ def test_compressed_methods_serve_in_a_batch_like_alone(method):
     while engine.has_unfinished():
         engine.step()
     assert [r.output_ids for r in reqs] == alone
+
+
+def test_the_kv_budget_reserves_only_the_compressed_rows():
+    from cachetune import SamplingConfig
+
+    engine = tiny_engine(threads=None)
+    ids = [engine.cache_chunk(words(n, 70 + n)) for n in (33, 18)]
+    sampling = SamplingConfig(max_new_tokens=6, ignore_eos=True)
+    prompt = engine.build_prompt(ids, words(4, 1))
+    head, question = prompt.segments[0].token_ids.numel(), prompt.segments[-1].token_ids.numel()
+    for method, rows in (("keep_every_4th", head + 9 + 5 + question), ("full_reuse", prompt.total)):
+        request = engine.add_request(prompt=prompt, method=method, sampling=sampling)
+        engine.step()
+        assert engine.kv_usage().used_rows == request.rows == rows + 6
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.kv_usage().used_rows == 0

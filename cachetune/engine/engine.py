@@ -272,8 +272,9 @@ class Engine:
                 prompt = self.build_prompt(chunks, question, system)
             self._check_servable(prompt, method, sampling.max_new_tokens)
             self.prepare(prompt, method)  # offline work (a ranking not stored): before the clock starts
-            request = Request(next(self._ids), prompt, method, sampling, prompt.total + sampling.max_new_tokens,
-                              on_token, on_finish, generator=sampling.generator())
+            rows = method.prompt_rows(prompt) + sampling.max_new_tokens
+            request = Request(next(self._ids), prompt, method, sampling, rows, on_token, on_finish,
+                              generator=sampling.generator())
             self.scheduler.add(request)
         return request
 

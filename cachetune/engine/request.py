@@ -29,7 +29,7 @@ FinishCallback = Callable[["Request"], None]
 class Request:
     """One request. The engine's step loop owns and updates it; callers only read it.
 
-    `rows` KV rows (prompt + max_new_tokens) are reserved from the budget while it runs and returned
+    `rows` KV rows (the method's prompt rows + max_new_tokens) are reserved from the budget while it runs and returned
     the moment it ends. Times are `time.perf_counter()` seconds."""
 
     id: int

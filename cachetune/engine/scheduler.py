@@ -48,8 +48,8 @@ class Scheduler:
     def add(self, request: Request) -> None:
         if request.rows > self.budget.total:
             raise RequestError(
-                f"request needs {request.rows} KV rows (prompt {request.prompt_tokens} + "
-                f"{request.sampling.max_new_tokens} new tokens) but the whole KV budget is {self.budget.total} rows; "
+                f"request needs {request.rows} KV rows ({request.rows - request.sampling.max_new_tokens} for "
+                f"its prompt + {request.sampling.max_new_tokens} new tokens) but the whole KV budget is {self.budget.total} rows; "
                 "raise kv_budget_bytes or shorten the request"
             )
         self.waiting.append(request)

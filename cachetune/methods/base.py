@@ -62,6 +62,8 @@ class Method(ABC):
       rows, the model's own attention).
     - `finish(ctx, layout, cache)`: called once when a request served by this method ends normally,
       with its KV; default none (exact methods remember the prompt for prefix reuse).
+    - `prompt_rows(layout)`: the KV rows its prefill fills (what the engine's budget reserves for the
+      prompt); default one per prompt token.
     Attributes: `name` (the registered spec it was made from), `settings` (a frozen dataclass) and
     `reuses_kv`: False when its KV is the model's own (allowed even where reuse was refused).
     """
@@ -78,6 +80,9 @@ class Method(ABC):
 
     def finish(self, ctx: MethodContext, layout: PromptLayout, cache: KVCache) -> None:
         return None
+
+    def prompt_rows(self, layout: PromptLayout) -> int:
+        return layout.total
 
 
 @dataclass(frozen=True)

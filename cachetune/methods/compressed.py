@@ -95,6 +95,11 @@ class CompressedChunks(Method):
     def __init__(self, settings: BlockSettings, mean: bool):
         self.settings, self.mean = settings, mean
 
+    def prompt_rows(self, layout: PromptLayout) -> int:
+        block = self.settings.block
+        return sum(math.ceil(s.token_ids.numel() / block) if s.cached else s.token_ids.numel()
+                   for s in layout.segments)
+
     def prefill(self, ctx: MethodContext, layout: PromptLayout, capacity: int) -> Prefill:
         if any(info.sliding_window is not None for info in ctx.adapter.layer_info):
             # Windows count rows as positions in the default attention; compressed rows break that.
