@@ -30,7 +30,7 @@ def byte_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def _flag_type(name: str, annotation) -> type:
+def _flag_type(annotation) -> type:
     """The one non-None type of a field's annotation (str, int, float or bool)."""
     args = [a for a in typing.get_args(annotation) or (annotation,) if a is not type(None)]
     return args[0]
@@ -47,7 +47,7 @@ def _engine_args(p: argparse.ArgumentParser, own: tuple[str, ...] = ()) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         help_text = f"{EngineConfig.help(f.name)} [{f.default}]"
-        kind = _flag_type(f.name, hints[f.name])
+        kind = _flag_type(hints[f.name])
         if kind is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif f.name.endswith("_bytes"):

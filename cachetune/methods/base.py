@@ -55,8 +55,8 @@ class Method(ABC):
     Contract:
     - `prepare(ctx, chunk)`: the untimed, offline work a cached chunk needs before this method can
       serve it (e.g. computing an offline ranking other than the stored one). Idempotent; default none.
-    - `prefill(ctx, layout, capacity)`: fill rows [0, layout.total) of a KVCache with room for at
-      least `capacity` rows and return it with the logits after the last prompt token. All of its work
+    - `prefill(ctx, layout, capacity)`: fill rows [0, prompt_rows(layout)) of a KVCache with room for
+      at least `capacity` rows and return it with the logits after the last prompt token. All of its work
       counts toward time to first token. The KV belongs to the request: the method keeps no reference.
     - decoding uses the returned Prefill's `attention` for every later token (None: causal over all
       rows, the model's own attention).

@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from cachetune.config import EngineConfig
 from cachetune.model.adapter import ModelAdapter
 from cachetune.runtime.forward import AttentionFn, forward_active
 from cachetune.runtime.kv_cache import KVCache
@@ -15,7 +16,7 @@ from cachetune.runtime.kv_cache import KVCache
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    max_new_tokens: int = 64
+    max_new_tokens: int = EngineConfig.max_new_tokens
     temperature: float = 0.0   # 0 means greedy
     top_p: float = 1.0
     seed: int | None = None    # seeds the request's own generator (same draws on every device)

@@ -142,7 +142,6 @@ def decode_step(
     positions = torch.stack([c.positions[r] for c, r in zip(caches, rows)]).to(device)  # [B]
     tables = adapter.rope_tables(positions)
     hidden = adapter.embed(torch.tensor(list(token_ids), device=device))  # [B, hidden]
-    row_index = [torch.tensor([r], device=device) for r in rows]
     for layer in range(adapter.num_layers):
         info = adapter.layer_info[layer]
         cos, sin = tables[info.rope_kind]
@@ -158,7 +157,7 @@ def decode_step(
                 outs.append(decode_attention(q[b], keys[:, : row + 1], values[:, : row + 1], info.scale,
                                              info.sliding_window))
             else:
-                outs.append(attend(layer, q[b : b + 1], cache, row_index[b])[0])
+                outs.append(attend(layer, q[b : b + 1], cache, torch.tensor([row], device=device))[0])
         hidden = adapter.finish_layer(layer, hidden, torch.stack(outs))
     for cache, row in zip(caches, rows):
         cache.length = row + 1
