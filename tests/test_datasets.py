@@ -214,6 +214,7 @@ def test_ircot_rows_become_title_paragraph_documents_and_span_answers(tmp_path: 
         question="Who?",
         answers=["Chief of Protocol"],
         task="qa",
+        supporting=(0,),  # the paragraphs labelled is_supporting (training keeps them in every draw)
     )
 
 

@@ -181,11 +181,16 @@ def test_sampling_rejects_non_finite_and_mistyped_values(bad):
         SamplingConfig(**bad)
 
 
+# Trained methods have no bundled weights for the tiny models: they serve with their step-0 ones.
+TRAINED = {"c2kv", "kvlink", "block_attention"}
+
+
 @pytest.mark.parametrize("method", method_names())
 def test_every_registered_method_serves_through_the_step_loop(engine, method):
     ids = _docs(engine)
-    out = engine.generate(ids[:2], words(5, 11), method=method, sampling=SamplingConfig(max_new_tokens=3))
-    assert out.method == method and out.prompt_tokens == engine.build_prompt(ids[:2], words(5, 11)).total
+    spec = f"{method}:step0" if method in TRAINED else method
+    out = engine.generate(ids[:2], words(5, 11), method=spec, sampling=SamplingConfig(max_new_tokens=3))
+    assert out.method == spec and out.prompt_tokens == engine.build_prompt(ids[:2], words(5, 11)).total
     assert 0 <= out.recomputed_tokens <= sum(DOC_SIZES[:2])
 
 

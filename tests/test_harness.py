@@ -139,3 +139,22 @@ def test_progress_log_still_refuses_another_runs_file(tmp_path):
     with pytest.raises(ValueError, match="another run"):
         ProgressLog(path, {"model": "other"})
     assert path.read_bytes() == before  # another run's file is left as it was
+
+
+def test_gap_closed_and_loaded_bytes_come_from_gold_nll_and_reused_rows():
+    records = []
+    for i, (none, full, fast) in enumerate([(6.0, 2.0, 3.0), (4.0, 2.0, 4.0)]):
+        rec = _record("d", i, [10.0], [1.0])
+        rec.update(no_context_nll=none, chunk_tokens=80, kv_bytes_per_row=1024)
+        rec["methods"]["full_recompute"].update(nll=full, reused_rows=0)
+        rec["methods"]["fast"].update(nll=fast, reused_rows=20)
+        records.append(rec)
+    (summary,) = summarize_records(records, ["full_recompute", "fast"]).values()
+    rows = {r["method"]: r for r in summary["results"]}
+    # Means: no context 5.0, full 2.0, fast 3.5 -> (5 - 3.5) / (5 - 2) = 0.5 of the gap closed.
+    assert rows["fast"]["gap_closed"] == pytest.approx(0.5) and rows["full_recompute"]["gap_closed"] == 1.0
+    assert rows["fast"]["loaded_kib_per_doc_token"] == pytest.approx(0.25)  # 20 of 80 rows of 1 KiB
+    assert "gap_closed" in format_tables({"model": "m", "dtype": "float32", "threads": 2, "config": {"ratio": 0.15},
+                                          "datasets": {"d": summary}})
+    plain = summarize_records([_record("d", 0, [10.0], [1.0])], ["full_recompute", "fast"])
+    assert "gap_closed" not in plain["d"]["results"][0]  # older records without gold NLL: no column

@@ -13,11 +13,11 @@ LAYERS = [
     {"errors", "config", "lru"},  # leaf modules: no cachetune imports
     {"model"},
     {"runtime"},
-    {"chunks"},
+    {"chunks", "c2kv", "kvlink", "blockattn"},
     {"store"},
     {"methods"},
     {"engine"},
-    {"eval"},
+    {"eval", "train"},
     {"cli"},
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

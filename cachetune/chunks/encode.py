@@ -23,26 +23,34 @@ from cachetune.model.adapter import ModelAdapter
 ENCODING_VERSION = "ct-chunk-v1:no-prefix:pre-rope-k"
 
 
-def chunk_id(model_fingerprint: str, token_ids: torch.Tensor) -> str:
-    """Content address of (model, encoding policy, token ids): the same text under another model differs."""
+def chunk_id(model_fingerprint: str, token_ids: torch.Tensor, variant: str = "") -> str:
+    """Content address of (model, encoding policy, token ids, variant): the same text under another
+    model differs, and so do rows derived from it by another encoder (`variant`, e.g. a C2KV
+    extractor's fingerprint; "" for the plain chunk encoding)."""
     h = hashlib.sha256()
     h.update(ENCODING_VERSION.encode())
     h.update(model_fingerprint.encode())
     h.update(token_ids.to(torch.int64).cpu().numpy().tobytes())
+    if variant:
+        h.update(b"\0variant:" + variant.encode())
     return h.hexdigest()[:32]
 
 
 @dataclass
 class EncodedChunk:
-    """One chunk's reusable state. keys/values: [L, N, Hkv, D], keys before RoPE, in token order."""
+    """One chunk's reusable state. keys/values: [L, R, Hkv, D], keys before RoPE, one row per token
+    in token order (R = N), or, for compressed encodings (C2KV), R rows standing at the local
+    `positions` [R] of the chunk's N tokens."""
 
     chunk_id: str
     token_ids: torch.Tensor   # [N] int64
     keys: torch.Tensor
     values: torch.Tensor
-    ranking: torch.Tensor     # [N] local token indices, most worth recomputing first
-    scores: torch.Tensor | None = None  # [N] float32 behind `ranking` (None: derived from it)
+    ranking: torch.Tensor     # [R] local row indices, most worth recomputing first
+    scores: torch.Tensor | None = None  # [R] float32 behind `ranking` (None: derived from it)
     ranker: str = "lf"        # the offline ranker that produced them
+    positions: torch.Tensor | None = None  # [R] int64 strictly increasing in [0, N); None: row i at i
+    variant: str = ""         # what made the rows ("" plain encoding; chunk_id's variant)
 
     def __post_init__(self) -> None:
         if self.scores is None:

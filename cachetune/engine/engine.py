@@ -25,6 +25,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from cachetune.c2kv.bank import ExtractorBank
 from cachetune.chunks.encode import chunk_id, encode_chunk
 from cachetune.chunks.probes import PROBE_PASSAGES, ProbeBank
 from cachetune.chunks.rankers import RankingContext, get_ranker
@@ -39,7 +40,7 @@ from cachetune.methods import Method, MethodContext, Prefill, PromptLayout, Segm
 from cachetune.methods.prefix_cache import PrefixCache
 from cachetune.methods.rankings import ChunkRankings
 from cachetune.model.adapter import ModelAdapter
-from cachetune.model.loader import LoadedModel, default_cache_dir, load_model, model_fingerprint
+from cachetune.model.loader import LoadedModel, default_cache_dir, load_model, model_fingerprint, weights_identity
 from cachetune.runtime.decode import SamplingConfig, sample
 from cachetune.runtime.forward import decode_step
 from cachetune.runtime.kv_cache import kv_bytes_per_row
@@ -85,7 +86,9 @@ class Engine:
         self.rankings = ChunkRankings(self.adapter, config.ranking, config.alpha, self._ranking_context,
                                       config.tracked_chunks)
         self.prefix_cache = PrefixCache(max_blocks=config.prefix_blocks)
-        self.context = MethodContext(self.adapter, self.rankings, self.prefix_cache, config.prefetch)
+        self.extractors = ExtractorBank(self.adapter, weights_identity(self.model), self.fingerprint, self.eos_id())
+        self.context = MethodContext(self.adapter, self.rankings, self.prefix_cache, config.prefetch, self.store,
+                                     self.extractors)
         self._tokens: LRUDict[str, torch.Tensor] = LRUDict(config.tracked_chunks)  # to re-encode a lost chunk
         self.kv_bytes_per_row = kv_bytes_per_row(self.adapter.num_layers, self.adapter.num_kv_heads,
                                                  self.adapter.head_dim, self.adapter.dtype)
@@ -223,9 +226,11 @@ class Engine:
     def _check_servable(self, prompt: PromptLayout, method: Method, new_tokens: int) -> None:
         if method.reuses_kv and self.reuse_error is not None:
             raise ReuseRefusedError(self.reuse_error)
-        if self.max_context is not None and prompt.total + new_tokens > self.max_context:
+        # Positions the prompt takes: its tokens, or more when a method adds rows (KVLink's links).
+        positions = max(prompt.total, method.prompt_rows(prompt))
+        if self.max_context is not None and positions + new_tokens > self.max_context:
             raise RequestError(
-                f"prompt of {prompt.total} tokens plus {new_tokens} new tokens exceeds the model's context "
+                f"prompt of {positions} positions plus {new_tokens} new tokens exceeds the model's context "
                 f"window of {self.max_context} positions"
             )
 
@@ -305,11 +310,15 @@ class Engine:
                 self._prefill(request, finished)
             mid = time.perf_counter()
             # Every running request has sampled a token it has not fed yet (its first, from prefill).
-            batch = list(self.scheduler.running)
             decoded = 0
-            if batch:
-                caches = [r.prefill.cache for r in batch]
-                logits = decode_step(self.adapter, [r.output_ids[-1] for r in batch], caches,
+            # One batched decode per model: nearly always the engine's own; a method that serves
+            # with its own fine-tuned model (Block-Attention) decodes its requests apart.
+            groups: dict[int, list[Request]] = {}
+            for r in self.scheduler.running:
+                groups.setdefault(id(r.prefill.adapter or self.adapter), []).append(r)
+            for batch in groups.values():
+                adapter = batch[0].prefill.adapter or self.adapter
+                logits = decode_step(adapter, [r.output_ids[-1] for r in batch], [r.prefill.cache for r in batch],
                                      [r.prefill.attention for r in batch])
                 for request, row in zip(batch, logits):
                     self._emit(request, sample(row, request.sampling, request.generator), finished)
@@ -363,6 +372,14 @@ class Engine:
                 request.on_finish(request)
             except Exception:
                 log.exception("on_finish callback of request %d raised", request.id)
+
+    def eos_id(self) -> int:
+        """The EOS token (C2Tokens start from its embedding); token 0 for a tokenizer without one."""
+        eos = self.tokenizer.eos_token_id
+        if eos is None:
+            eos = getattr(self.model.generation_config, "eos_token_id", None)
+            eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+        return int(eos) if eos is not None else 0
 
     def stop_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id}

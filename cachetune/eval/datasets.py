@@ -50,6 +50,7 @@ class QAExample:
     # True when `question` is the complete text after the documents (LongBench prompts, summary
     # instructions) and goes into the prompt as is; False for a bare question ("Question: " added).
     verbatim: bool = False
+    supporting: tuple[int, ...] = ()  # indices of the documents labelled as supporting (IRCoT rows)
 
 
 Loader = Callable[..., list[QAExample]]  # (path, limit=None, name=None) -> examples
@@ -118,7 +119,8 @@ def load_ircot(path: str | Path, limit: int | None = None, name: str | None = No
             raise bad("'answers_objects' must be a list of objects whose 'spans' is a non-empty string "
                       "or a list of them")
         question = _nonempty_str(row, "question_text", bad)
-        examples.append(QAExample(f"{prefix}-{i}", documents, question, answers))
+        supporting = tuple(j for j, c in enumerate(row["contexts"]) if c.get("is_supporting") is True)
+        examples.append(QAExample(f"{prefix}-{i}", documents, question, answers, supporting=supporting))
     return examples
 
 

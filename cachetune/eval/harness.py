@@ -29,6 +29,7 @@ from cachetune.engine.engine import Engine
 from cachetune.engine.prompt import DEFAULT_SYSTEM, QUESTION_LABEL
 from cachetune.eval.datasets import QAExample
 from cachetune.eval.metrics import kl_to_reference, score_answer, top1_agreement
+from cachetune.kvlink.links import LinkTokens
 from cachetune.methods import Prefill, PromptLayout, Segment, is_method, method_names, method_settings
 from cachetune.methods.full_recompute import FULL_RECOMPUTE, PREFIX
 from cachetune.runtime.decode import SamplingConfig, generate_tokens
@@ -50,6 +51,7 @@ class EvalConfig:
     repeats: int = 0                    # extra timing-only passes per example, method order rotated
     warmup: bool = True                 # one untimed request per method before the first measurement
     system: str | None = None           # None: per task (TASK_SYSTEM)
+    gold_nll: bool = False              # also the NLL of the gold answer per method, and with no context
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if not is_method(m)]
@@ -83,6 +85,13 @@ class EvalConfig:
             key["ranking"] = engine.config.ranking
         if engine.adapter.device.type != "cpu":  # GPU timings must not merge with CPU ones
             key["device"] = engine.adapter.device.type
+        if self.gold_nll:
+            key["gold_nll"] = True
+        # Plain "c2kv" / "kvlink" mean the configured trained tokens: name them by their weights.
+        if "c2kv" in self.methods:
+            key["c2kv_extractor"] = engine.extractors.get(engine.config.c2kv_extractor).variant
+        if "kvlink" in self.methods:
+            key["kvlink_links"] = engine.extractors.get(engine.config.kvlink_links, LinkTokens).variant
         return key
 
 
@@ -177,13 +186,33 @@ def _teacher_forced_logits(engine: Engine, result, answer: list[int]) -> torch.T
     return torch.cat([first, rest])
 
 
-def run_example(engine: Engine, req: _Request, variants: list[Variant], dataset: str, repeats: int = 0) -> dict:
-    """Serve one prepared request with every variant (the first must be full recompute: the reference)."""
+def gold_answer_ids(engine: Engine, example: QAExample) -> list[int]:
+    """The first gold answer's tokens followed by the end-of-turn token (what a model should emit)."""
+    return engine.tokenize(example.answers[0]).tolist() + [engine.eos_id()]
+
+
+def _gold_nll(engine: Engine, result, gold: list[int]) -> float:
+    """Mean NLL per token of `gold` teacher-forced after the prompt (the cache is left at the prompt)."""
+    logits = _teacher_forced_logits(engine, result, gold[:-1])
+    return float(torch.nn.functional.cross_entropy(logits, torch.tensor(gold, device=logits.device)))
+
+
+def run_example(engine: Engine, req: _Request, variants: list[Variant], dataset: str, repeats: int = 0,
+                gold_nll: bool = False) -> dict:
+    """Serve one prepared request with every variant (the first must be full recompute: the reference).
+
+    With `gold_nll`, every method also records the NLL of the gold answer, and the record the NLL
+    with no documents at all (what the "gap closed" between no context and full recompute is against)."""
     if variants[0].method != FULL_RECOMPUTE:
         raise ValueError("the first variant must be full recompute (every metric is relative to it)")
     example = req.example
     chunk_tokens = sum(engine.chunk(c).num_tokens for c in req.chunk_ids)
-    record: dict = {"id": example.id, "dataset": dataset, "task": example.task, "methods": {}}
+    record: dict = {"id": example.id, "dataset": dataset, "task": example.task, "methods": {},
+                    "chunk_tokens": chunk_tokens, "kv_bytes_per_row": engine.kv_bytes_per_row}
+    gold = gold_answer_ids(engine, example) if gold_nll else None
+    if gold is not None:
+        bare = replace(req, chunk_ids=[])
+        record["no_context_nll"] = _gold_nll(engine, engine.prefill(bare.prompt(), FULL_RECOMPUTE), gold)
     ref_answer: list[int] = []
     ref_logits = None
     for variant in variants:
@@ -198,6 +227,8 @@ def run_example(engine: Engine, req: _Request, variants: list[Variant], dataset:
             logits = _teacher_forced_logits(engine, result, ref_answer)
             kl = float(kl_to_reference(ref_logits, logits).mean())
             top1 = top1_agreement(ref_logits, logits).float().tolist()
+        nll = _gold_nll(engine, result, gold) if gold is not None else None
+        if variant.method != FULL_RECOMPUTE:
             answer = req.decode(result)
         text = engine.tokenizer.decode(answer, skip_special_tokens=True)
         record["methods"][variant.label] = {
@@ -207,8 +238,12 @@ def run_example(engine: Engine, req: _Request, variants: list[Variant], dataset:
             "match": float(answer == ref_answer),
             "score": score_answer(example.task, text, example.answers),
             "recomputed_share": result.recomputed_chunk_tokens / max(chunk_tokens, 1),
+            "reused_rows": result.reused_rows,
+            "prompt_rows": result.prompt_rows,
             "answer": text,
         }
+        if nll is not None:
+            record["methods"][variant.label]["nll"] = nll
     for r in range(repeats):
         order = variants[r + 1:] + variants[: r + 1]
         for variant in order:
@@ -324,7 +359,7 @@ def run_eval(engine: Engine, datasets: dict[str, list[QAExample]], cfg: EvalConf
             for variant in todo_variants:  # untimed: first-call allocations and thread start-up
                 req.start(variant, 1)
             warm = True
-        record = run_example(engine, req, todo_variants, label, cfg.repeats)
+        record = run_example(engine, req, todo_variants, label, cfg.repeats, cfg.gold_nll)
         if old is not None:
             # Speedups of the added variants are against the full recompute timed in this pass.
             reference = record["methods"][variants[0].label]["ttft_ms"]

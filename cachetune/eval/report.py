@@ -14,6 +14,8 @@ from cachetune.eval.metrics import paired_ratio, summarize
 METRIC_NAME = {"qa": "f1", "summarization": "rougeL"}
 COLUMNS = ["method", "quality", "quality_vs_full", "kl_to_full", "top1_agree", "answer_match_full",
            "ttft_ms_median", "ttft_ms_p95", "speedup_vs_full", "recomputed_share"]
+# Shown when the records carry them (eval with gold_nll; reused rows are in every newer record).
+OPTIONAL_COLUMNS = ["nll", "gap_closed", "loaded_kib_per_doc_token"]
 
 
 def summarize_records(records: list[dict], methods: list[str]) -> dict[str, dict]:
@@ -60,6 +62,7 @@ def summarize_records(records: list[dict], methods: list[str]) -> dict[str, dict
                 "ttft_ms_p95": ttft["p95"],
                 "speedup_vs_full": full_median / ttft["median"],
                 "recomputed_share": statistics.fmean(p["recomputed_share"] for p in per),
+                **_optional(recs, method),
             })
         out[name] = {
             "task": task,
@@ -68,6 +71,22 @@ def summarize_records(records: list[dict], methods: list[str]) -> dict[str, dict
             "mean_prompt_tokens": statistics.fmean(r.get("prompt_tokens", 0) for r in recs),
             "results": rows,
         }
+    return out
+
+
+def _optional(recs: list[dict], method: str) -> dict:
+    """Gold-answer NLL and the share of the no-context -> full-recompute NLL gap the method closes
+    (from mean NLLs: (none - method) / (none - full)); KV loaded per document token (KiB)."""
+    out = {}
+    per = [r["methods"][method] for r in recs]
+    if all("nll" in p for p in per) and all("no_context_nll" in r for r in recs):
+        nll = statistics.fmean(p["nll"] for p in per)
+        none = statistics.fmean(r["no_context_nll"] for r in recs)
+        full = statistics.fmean(r["methods"][FULL_RECOMPUTE]["nll"] for r in recs)
+        out.update(nll=nll, no_context_nll=none, gap_closed=(none - nll) / (none - full) if none != full else float("nan"))
+    if all("reused_rows" in p for p in per) and all("chunk_tokens" in r for r in recs):
+        loaded = sum(p["reused_rows"] * r["kv_bytes_per_row"] for p, r in zip(per, recs))
+        out["loaded_kib_per_doc_token"] = loaded / max(1, sum(r["chunk_tokens"] for r in recs)) / 1024
     return out
 
 
@@ -81,11 +100,12 @@ def format_tables(report: dict) -> str:
             f"ratio {report['config']['ratio']}")
     parts = [head]
     for name, ds in report["datasets"].items():
+        columns = COLUMNS + [c for c in OPTIONAL_COLUMNS if ds["results"] and all(c in r for r in ds["results"])]
         parts += ["", f"### {name}: {ds['n_examples']} examples, ~{ds['mean_prompt_tokens']:.0f} prompt tokens, "
                       f"quality = {ds['metric']}", "",
-                  "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+                  "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         for row in ds["results"]:
-            parts.append("| " + " | ".join(_cell(row[c]) for c in COLUMNS) + " |")
+            parts.append("| " + " | ".join(_cell(row[c]) for c in columns) + " |")
         parts += ["", f"Paired with full recompute on the same {ds['n_examples']} examples ({ds['metric']}):", "",
                   "| method | quality_vs_full | 95% bootstrap interval | examples better / worse |", "|---|---|---|---|"]
         for row in ds["results"]:

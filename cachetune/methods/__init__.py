@@ -2,7 +2,7 @@
 method: one file per method or family of methods, each adding itself to `METHODS`."""
 
 # Registration order is the order `method_names()` lists (and `--methods all` runs) them.
-from cachetune.methods import full_recompute, ape, ranked, cacheblend, cacheslide, prophetkv, compressed  # noqa: F401, I001
+from cachetune.methods import full_recompute, ape, ranked, cacheblend, cacheslide, prophetkv, compressed, c2kv, kvlink, blockattn  # noqa: F401, I001
 from cachetune.methods.base import (
     METHODS,
     Method,

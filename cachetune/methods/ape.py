@@ -118,7 +118,8 @@ def ape_prefill(adapter: ModelAdapter, layout: PromptLayout, capacity: int, cfg:
         hidden = forward_active(adapter, adapter.embed(ids), rows, cache, reused=loader, last_only=True,
                                 attention=attention)
     logits = adapter.logits(hidden[-1:])[0]
-    return Prefill(cache, logits, layout.total, int(rows.numel()), 0, attention=attention)
+    return Prefill(cache, logits, layout.total, int(rows.numel()), 0, attention=attention,
+                   reused_rows=int(loader.rows.numel()))
 
 
 class APE(Method):

@@ -21,6 +21,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from cachetune.c2kv.bank import ExtractorBank, LoadedTokens
+from cachetune.chunks.encode import EncodedChunk, chunk_id
 from cachetune.chunks.rankers import Ranker
 from cachetune.config import EngineConfig
 from cachetune.methods.layout import PromptLayout
@@ -28,7 +30,7 @@ from cachetune.methods.prefill import Prefill
 from cachetune.methods.prefix_cache import PrefixCache
 from cachetune.model.adapter import ModelAdapter
 from cachetune.runtime.kv_cache import KVCache
-from cachetune.store.base import StoredChunk
+from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
 
 
 class RankingSource(Protocol):
@@ -47,6 +49,8 @@ class MethodContext:
     rankings: RankingSource
     prefix_cache: PrefixCache
     prefetch: bool = True  # load layer l+1's reused KV while layer l computes
+    store: ChunkStore | None = None          # where derived chunk KV (C2KV rows, ...) is kept with the rest
+    extractors: ExtractorBank | None = None  # trained add-ons by name (C2KV, KVLink, Block-Attention)
 
 
 class Method(ABC):
@@ -64,6 +68,8 @@ class Method(ABC):
       with its KV; default none (exact methods remember the prompt for prefix reuse).
     - `prompt_rows(layout)`: the KV rows its prefill fills (what the engine's budget reserves for the
       prompt); default one per prompt token.
+    - `unavailable(ctx)`: a reason it cannot serve here (trained weights missing for this model), or
+      None; `--methods all` skips such methods and says why.
     Attributes: `name` (the registered spec it was made from), `settings` (a frozen dataclass) and
     `reuses_kv`: False when its KV is the model's own (allowed even where reuse was refused).
     """
@@ -73,6 +79,10 @@ class Method(ABC):
     reuses_kv: bool = True
 
     def prepare(self, ctx: MethodContext, chunk: StoredChunk) -> None:
+        return None
+
+    def unavailable(self, ctx: MethodContext) -> str | None:
+        """Why this method cannot serve with this engine (e.g. no trained weights for its model), or None."""
         return None
 
     @abstractmethod
@@ -98,6 +108,64 @@ class RatioSettings:
         check_ratio(self.ratio)
 
 
+def check_int(name: str, value, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_name(name: str, value) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty name or path, got {value!r}")
+
+
+class TrainedMethod(Method):
+    """A method that serves with trained weights from the engine's bank (C2KV, KVLink, Block-Attention).
+
+    Subclasses set `kind` (a c2kv.tokens.TrainedFile class) and `weights_setting` (the settings field
+    that names the weights: "bundled", a step-0 name or a file), and may `check` what was loaded."""
+
+    kind: type
+    weights_setting: str
+
+    def loaded(self, ctx: MethodContext) -> LoadedTokens:
+        if ctx.extractors is None or ctx.store is None:
+            raise ValueError(f"{self.kind.VARIANT} needs an engine context with a chunk store and a weights bank")
+        loaded = ctx.extractors.get(getattr(self.settings, self.weights_setting), self.kind)
+        self.check(loaded)
+        return loaded
+
+    def check(self, loaded: LoadedTokens) -> None:
+        """Raise ValueError when the loaded weights do not fit these settings."""
+
+    def encode(self, ctx: MethodContext, loaded: LoadedTokens, chunk: StoredChunk, cid: str) -> EncodedChunk:
+        """The chunk's KV as these weights derive it, stored under `cid` (methods that derive rows)."""
+        raise NotImplementedError
+
+    def rows(self, ctx: MethodContext, chunk: StoredChunk) -> StoredChunk:
+        """The chunk's derived KV from the store, under an id of the chunk and the weights; encoded and
+        stored first when missing, evicted or corrupt (a corrupt entry is never used)."""
+        loaded = self.loaded(ctx)
+        cid = chunk_id(ctx.extractors.base_fingerprint, chunk.token_ids, loaded.variant)
+        try:
+            stored = ctx.store.get(cid)
+        except CorruptChunkError:  # the store has dropped it: encode again
+            stored = None
+        if stored is None:
+            ctx.store.put(self.encode(ctx, loaded, chunk, cid))
+            stored = ctx.store.get(cid)
+        return stored
+
+    def prepare(self, ctx: MethodContext, chunk: StoredChunk) -> None:
+        self.rows(ctx, chunk)  # offline: the derived KV exists before the request's clock starts
+
+    def unavailable(self, ctx: MethodContext) -> str | None:
+        try:
+            self.loaded(ctx)
+        except ValueError as exc:  # TokensFileError included: missing or foreign weights
+            return str(exc)
+        return None
+
+
 def check_ratio(ratio: float) -> None:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ratio must be a number in [0, 1], got {ratio!r}")
@@ -113,6 +181,8 @@ class Registered:
 
 METHODS: dict[str, Registered] = {}
 SHARED = ("ratio", "ranking")  # settings whose defaults come from the engine's config
+# Method settings whose defaults come from a config field of another name (setting -> field).
+CONFIG_ALIASES = {"extractor": "c2kv_extractor", "links": "kvlink_links", "weights": "block_attention_weights"}
 IGNORABLE = ("ratio",)         # a request's ratio is ignored by methods without a budget (EPIC, full reuse)
 
 
@@ -147,7 +217,8 @@ def _entry(spec: str) -> tuple[str, Registered, str | None]:
 
 def make_method(spec: str, config: EngineConfig | None = None, **overrides) -> Method:
     """Build the method `spec` ("name" or "name:arg") with settings taken, in order of precedence, from
-    `overrides` that are not None, the ":" argument, `config` (ratio, ranking) and the defaults.
+    `overrides` that are not None, the ":" argument, `config` (ratio, ranking and the trained methods'
+    weights) and the defaults.
 
     An override the method has no setting for is an error, except `ratio` (methods without a budget
     ignore it, so one ratio can be passed to every method of a comparison)."""
@@ -156,6 +227,7 @@ def make_method(spec: str, config: EngineConfig | None = None, **overrides) -> M
     values: dict[str, Any] = {}
     if config is not None:
         values.update({k: getattr(config, k) for k in SHARED if k in fields})
+        values.update({k: getattr(config, f) for k, f in CONFIG_ALIASES.items() if k in fields})
     if arg is not None:
         values[entry.suffix] = arg
     for key, value in overrides.items():

@@ -16,12 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from cachetune.methods.base import Method, MethodContext, register
-from cachetune.methods.layout import PromptLayout
-from cachetune.methods.prefill import Prefill
-from cachetune.runtime.forward import forward_active
-from cachetune.runtime.kv_cache import KVCache
-from cachetune.runtime.loading import LayerLoader
+from cachetune.c2kv.extractor import block_ends
+from cachetune.methods.base import Method, MethodContext, check_int, register
+from cachetune.methods.layout import PromptLayout, Segment
+from cachetune.methods.prefill import Prefill, compressed_prefill
 from cachetune.store.base import StoredChunk
 
 
@@ -30,13 +28,7 @@ class BlockSettings:
     block: int = 4  # document tokens per kept KV row
 
     def __post_init__(self) -> None:
-        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
-            raise ValueError(f"block must be an integer >= 1, got {self.block!r}")
-
-
-def block_ends(n: int, block: int) -> torch.Tensor:
-    """Local index of the last token of each block of a chunk of n tokens: [ceil(n / block)]."""
-    return torch.clamp(torch.arange(1, math.ceil(n / block) + 1) * block, max=n) - 1
+        check_int("block", self.block)
 
 
 class BlockRows:
@@ -61,50 +53,30 @@ class BlockRows:
         return k_mean[idx], v_mean[idx]
 
 
-@torch.no_grad()
-def compressed_prefill(adapter, layout: PromptLayout, capacity: int, block: int, mean: bool,
-                       prefetch: bool = True) -> Prefill:
-    """Uncached text computed at its own positions; every chunk as one reused row per block."""
-    device = adapter.device
-    active_rows, active_pos, parts, positions = [], [], [], []
-    row = 0
-    for start, seg in zip(layout.starts, layout.segments):
-        n = int(seg.token_ids.numel())
-        if seg.cached:
-            pos = start + block_ends(n, block)
-            rows = torch.arange(row, row + pos.numel())
-            parts.append((BlockRows(seg.chunk, block, mean), torch.arange(pos.numel()), rows))
-        else:
-            pos = torch.arange(start, start + n)
-            rows = torch.arange(row, row + n)
-            active_rows.append(rows)
-            active_pos.append(pos)
-        positions.append(pos)
-        row += pos.numel()
-    cache = KVCache.empty(adapter.num_layers, max(capacity, row), adapter.num_kv_heads, adapter.head_dim,
-                          adapter.dtype, device)
-    cache.positions[:row] = torch.cat(positions).to(device)
-    rows = torch.cat(active_rows).to(device)
-    ids = torch.cat([s.token_ids for s in layout.segments if not s.cached]).to(device)
-    with LayerLoader(parts, adapter.num_layers, device, adapter.dtype, prefetch) as loader:
-        hidden = forward_active(adapter, adapter.embed(ids), rows, cache, reused=loader, last_only=True)
-    return Prefill(cache, adapter.logits(hidden[-1:])[0], layout.total, int(rows.numel()), 0, prompt_rows=row)
-
-
 class CompressedChunks(Method):
     def __init__(self, settings: BlockSettings, mean: bool):
         self.settings, self.mean = settings, mean
 
     def prompt_rows(self, layout: PromptLayout) -> int:
-        block = self.settings.block
-        return sum(math.ceil(s.token_ids.numel() / block) if s.cached else s.token_ids.numel()
-                   for s in layout.segments)
+        return compressed_rows(layout, self.settings.block)
 
     def prefill(self, ctx: MethodContext, layout: PromptLayout, capacity: int) -> Prefill:
-        if any(info.sliding_window is not None for info in ctx.adapter.layer_info):
-            # Windows count rows as positions in the default attention; compressed rows break that.
-            raise ValueError("compressed chunk KV does not support sliding-window attention yet")
-        return compressed_prefill(ctx.adapter, layout, capacity, self.settings.block, self.mean, ctx.prefetch)
+        return block_prefill(ctx.adapter, layout, capacity, self.settings.block, self.mean, ctx.prefetch)
+
+
+def block_prefill(adapter, layout: PromptLayout, capacity: int, block: int, mean: bool,
+                  prefetch: bool = True) -> Prefill:
+    """Every chunk as one row per block (its last token's K/V, or the block mean), nothing recomputed."""
+
+    def rows_of(seg: Segment):
+        return BlockRows(seg.chunk, block, mean), block_ends(seg.chunk.num_tokens, block)
+
+    return compressed_prefill(adapter, layout, capacity, rows_of, prefetch)
+
+
+def compressed_rows(layout: PromptLayout, block: int) -> int:
+    """KV rows of a prompt whose chunks keep one row per block of `block` tokens."""
+    return sum(math.ceil(s.token_ids.numel() / block) if s.cached else s.token_ids.numel() for s in layout.segments)
 
 
 register("keep_every_4th", BlockSettings,

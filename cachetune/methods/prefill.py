@@ -3,6 +3,8 @@ cached chunks, pruning, and reuse of an exact prefix. Each returns a `Prefill`."
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from transformers import DynamicCache
 
@@ -12,19 +14,19 @@ from cachetune.model.adapter import ModelAdapter
 from cachetune.runtime.decode import extend
 from cachetune.runtime.forward import AttentionFn, FuseFn, ObserveFn, forward_active
 from cachetune.runtime.kv_cache import KVCache
-from cachetune.runtime.loading import LayerLoader
+from cachetune.runtime.loading import LayerLoader, LayerSource
 
 
 class Prefill:
     """A filled KV cache (rows [0, prompt_rows), room left for decoding) and the next-token logits.
 
-    `prompt_rows` equals `prompt_tokens` unless the method stores fewer rows than the prompt has
-    tokens (compressed chunk KV). `attention` is the decode attention of the method that made it
-    (None: causal over all rows)."""
+    `prompt_rows` equals `prompt_tokens` unless the method stores fewer or more rows than the prompt
+    has tokens (compressed chunk KV, link tokens). `attention` is the decode attention of the method
+    that made it (None: causal over all rows); `adapter` the model that decodes it (None: the engine's)."""
 
     def __init__(self, cache, logits: torch.Tensor, prompt_tokens: int, computed_tokens: int,
                  recomputed_chunk_tokens: int, capacity: int = 0, attention: AttentionFn | None = None,
-                 prompt_rows: int | None = None):
+                 prompt_rows: int | None = None, reused_rows: int = 0, adapter: ModelAdapter | None = None):
         self._cache = cache                # a KVCache, or a transformers cache converted on first use
         self._capacity = capacity
         self.logits = logits               # [vocab] float32, after the last prompt token
@@ -32,7 +34,9 @@ class Prefill:
         self.prompt_rows = prompt_tokens if prompt_rows is None else prompt_rows
         self.computed_tokens = computed_tokens              # tokens that went through the layers
         self.recomputed_chunk_tokens = recomputed_chunk_tokens  # of those, tokens of cached chunks
+        self.reused_rows = reused_rows     # KV rows loaded from a store or prefix cache instead of computed
         self.attention = attention
+        self.adapter = adapter  # the model that decodes this request (None: the engine's own)
 
     @property
     def cache(self) -> KVCache:
@@ -43,8 +47,9 @@ class Prefill:
         return self._cache
 
     def extend(self, adapter: ModelAdapter, token_ids: list[int]) -> torch.Tensor:
-        """Decode step(s): append tokens to the cache; returns their next-token logits [len, vocab]."""
-        return extend(adapter, self.cache, token_ids, self.attention)
+        """Decode step(s): append tokens to the cache; returns their next-token logits [len, vocab].
+        A method that serves with its own model (Block-Attention's fine-tune) decodes with it."""
+        return extend(self.adapter or adapter, self.cache, token_ids, self.attention)
 
 
 @torch.no_grad()
@@ -103,7 +108,8 @@ def selective_prefill(
             observe=observe, fuse=fuse,
         )
     logits = adapter.logits(hidden[-1:])[0]
-    return Prefill(cache, logits, layout.total, int(active_pos.numel()), recomputed)
+    return Prefill(cache, logits, layout.total, int(active_pos.numel()), recomputed,
+                   reused_rows=int(loader.rows.numel()))
 
 
 @torch.no_grad()
@@ -130,7 +136,7 @@ def prefix_prefill(adapter: ModelAdapter, layout: PromptLayout, prefix_cache: Pr
     logits = adapter.logits(hidden[-1:])[0]
     # Chunk tokens after the hit are recomputed; those inside it were reused.
     recomputed = sum(max(0, start + seg.chunk.num_tokens - max(start, hit)) for start, seg in layout.chunk_segments)
-    return Prefill(cache, logits, layout.total, layout.total - hit, recomputed)
+    return Prefill(cache, logits, layout.total, layout.total - hit, recomputed, reused_rows=hit)
 
 
 @torch.no_grad()
@@ -145,3 +151,44 @@ def pruned_prefill(adapter: ModelAdapter, layout: PromptLayout, selections: list
     result = full_prefill(adapter, pruned, capacity)
     result.recomputed_chunk_tokens = sum(int(s.numel()) for s in selections)
     return result
+
+
+# rows_of(chunk segment) -> (source of its rows, their local positions [R]) for compressed chunk KV.
+RowsFn = Callable[[Segment], tuple[LayerSource, torch.Tensor]]
+
+
+@torch.no_grad()
+def compressed_prefill(adapter: ModelAdapter, layout: PromptLayout, capacity: int, rows_of: RowsFn,
+                       prefetch: bool = True) -> Prefill:
+    """Uncached text computed at its own positions; every chunk as reused rows at the positions
+    `rows_of` gives (offset by the chunk's start), nothing recomputed.
+
+    Positions are those of the full prompt: the question starts at the head's length plus the
+    *original* lengths of the documents before it, however few rows they keep. Rows stay in
+    non-decreasing position order, so the default causal attention applies here and in decoding."""
+    if any(info.sliding_window is not None for info in adapter.layer_info):
+        # Windows count rows as positions in the default attention; compressed rows break that.
+        raise ValueError("compressed chunk KV does not support sliding-window attention yet")
+    device = adapter.device
+    active_rows, parts, positions = [], [], []
+    row = 0
+    for start, seg in zip(layout.starts, layout.segments):
+        if seg.cached:
+            source, local = rows_of(seg)
+            pos = start + local
+            parts.append((source, torch.arange(pos.numel()), torch.arange(row, row + pos.numel())))
+        else:
+            n = int(seg.token_ids.numel())
+            pos = torch.arange(start, start + n)
+            active_rows.append(torch.arange(row, row + n))
+        positions.append(pos)
+        row += pos.numel()
+    cache = KVCache.empty(adapter.num_layers, max(capacity, row), adapter.num_kv_heads, adapter.head_dim,
+                          adapter.dtype, device)
+    cache.positions[:row] = torch.cat(positions).to(device)
+    rows = torch.cat(active_rows).to(device)
+    ids = torch.cat([s.token_ids for s in layout.segments if not s.cached]).to(device)
+    with LayerLoader(parts, adapter.num_layers, device, adapter.dtype, prefetch) as loader:
+        hidden = forward_active(adapter, adapter.embed(ids), rows, cache, reused=loader, last_only=True)
+    return Prefill(cache, adapter.logits(hidden[-1:])[0], layout.total, int(rows.numel()), 0, prompt_rows=row,
+                   reused_rows=int(loader.rows.numel()))

@@ -103,15 +103,19 @@ class ModelAdapter:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return x * cos + self._rotate_half(x) * sin
 
-    def project_qkv(self, layer: int, hidden: torch.Tensor):
-        """Pre-RoPE q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] of `hidden` [T, hidden] at `layer`."""
+    def project_qkv(self, layer: int, hidden: torch.Tensor, projections=None):
+        """Pre-RoPE q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] of `hidden` [T, hidden] at `layer`.
+
+        `projections` (q, k, v modules shaped like the layer's own) replace its Q/K/V projections;
+        the norms stay the model's (C2KV's extractor brings its own projections for its tokens)."""
         block = self.layers[layer]
         attn = block.self_attn
         x = block.input_layernorm(hidden)
         t = x.shape[0]
-        q = attn.q_proj(x).view(t, -1, self.head_dim)
-        k = attn.k_proj(x).view(t, -1, self.head_dim)
-        v = attn.v_proj(x).view(t, -1, self.head_dim)
+        q_proj, k_proj, v_proj = projections or (attn.q_proj, attn.k_proj, attn.v_proj)
+        q = q_proj(x).view(t, -1, self.head_dim)
+        k = k_proj(x).view(t, -1, self.head_dim)
+        v = v_proj(x).view(t, -1, self.head_dim)
         if self.has_qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         return q, k, v

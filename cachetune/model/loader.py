@@ -330,3 +330,19 @@ def model_fingerprint(model: torch.nn.Module) -> str:
         h.update(_sample(param).cpu().numpy().tobytes())
         h.update(str(_checksum(param)).encode())
     return h.hexdigest()
+
+
+def weights_identity(model: torch.nn.Module) -> str:
+    """Like model_fingerprint, but equal for a model in float32 and its bfloat16 cast: the config,
+    parameter names and shapes and sampled values rounded to bfloat16. Trained add-ons (a C2KV
+    extractor) name their base model by it, so one extractor serves the model in either dtype."""
+    h = hashlib.sha256(b"weights-identity/1")
+    config = getattr(model, "config", None)
+    if config is not None:
+        data = _config_for_fingerprint(config)
+        data = {k: v for k, v in data.items() if k not in ("dtype", "torch_dtype")} if isinstance(data, dict) else data
+        h.update(json.dumps(data, sort_keys=True, default=str).encode())
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        h.update(f"|{name}|{tuple(param.shape)}|".encode())
+        h.update(_sample(param).to(torch.bfloat16).float().cpu().numpy().tobytes())
+    return h.hexdigest()

@@ -22,14 +22,22 @@ class StoredChunk(ABC):
     ranking: torch.Tensor    # [N] local indices, most worth recomputing first
     scores: torch.Tensor     # [N] float32 behind the ranking (global budgets compare them across chunks)
     ranker: str              # the offline ranker that produced them (cachetune.chunks.rankers)
+    positions: torch.Tensor | None = None  # [R] local positions of compressed rows; None: row i is token i
+    variant: str = ""        # what made the rows ("" plain chunk encoding; see chunks.encode.chunk_id)
 
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.numel())
 
+    @property
+    def row_positions(self) -> torch.Tensor:
+        """[R] the local position of every stored row (arange(N) for a plain chunk)."""
+        return self.positions if self.positions is not None else torch.arange(self.num_tokens)
+
     @abstractmethod
     def load_layer(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-RoPE keys and values [len(indices), Hkv, D] of `layer` for local token `indices`.
+        """Pre-RoPE keys and values [len(indices), Hkv, D] of `layer` for local row `indices`
+        (token indices of a plain chunk).
 
         Only the requested rows are read from the tier: this is how the reuse complement is loaded
         without touching the tokens that will be recomputed anyway.

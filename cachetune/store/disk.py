@@ -26,7 +26,7 @@ from cachetune.chunks.ranking import ranking_from_scores
 from cachetune.lru import LRUDict
 from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
 
-FORMAT = "cachetune-chunk/2"  # /2 added the ranker name and its scores
+FORMAT = "cachetune-chunk/3"  # /2 added the ranker name and its scores, /3 compressed rows (positions, variant)
 
 
 _ID = re.compile(r"^[0-9a-f]{32}$")
@@ -55,41 +55,49 @@ def serialize_chunk(chunk: EncodedChunk, fingerprint: str) -> bytes:
         "keys": chunk.keys.index_select(1, order).contiguous(),
         "values": chunk.values.index_select(1, order).contiguous(),
     }
+    if chunk.positions is not None:
+        tensors["positions"] = chunk.positions.to(torch.int64).contiguous()
     meta = {"format": FORMAT, "chunk_id": chunk.chunk_id, "fingerprint": fingerprint, "encoding": ENCODING_VERSION,
-            "ranker": chunk.ranker}
+            "ranker": chunk.ranker, "variant": chunk.variant}
     # Tensor layout and data do not change when the metadata gains the checksum, so hash them first.
     digest = _digest(*_split(save(tensors, metadata=meta)))
     return save(tensors, metadata={**meta, "sha256": digest})
 
 
 def _check_layout(path: Path, header: dict) -> None:
-    """The five tensors exist with the dtypes and mutually consistent shapes a chunk must have."""
+    """The tensors exist with the dtypes and mutually consistent shapes a chunk must have: R rows
+    (the token count N, or the length of `positions` for compressed rows) of ranking, scores and K/V."""
     try:
         ids, ranking, scores, keys, values = (header[n] for n in ("token_ids", "ranking", "scores", "keys", "values"))
     except KeyError as exc:
         raise CorruptChunkError(f"{path}: missing tensor {exc}") from None
-    n = ids["shape"]
+    positions = header.get("positions")
+    rows = ids["shape"] if positions is None else positions["shape"]
     ok = (
         ids["dtype"] == ranking["dtype"] == "I64"
-        and len(n) == 1
-        and ranking["shape"] == n
+        and len(ids["shape"]) == 1
+        and (positions is None or (positions["dtype"] == "I64" and len(rows) == 1))
+        and ranking["shape"] == rows
         and scores["dtype"] == "F32"
-        and scores["shape"] == n
+        and scores["shape"] == rows
         and keys["shape"] == values["shape"]
         and keys["dtype"] == values["dtype"]
         and keys["dtype"] in ("F32", "BF16", "F16")
         and len(keys["shape"]) == 4
-        and keys["shape"][1] == n[0]
+        and keys["shape"][1] == rows[0]
     )
     if not ok:
         raise CorruptChunkError(f"{path}: tensor layout is not a chunk's")
 
 
 class DiskChunk(StoredChunk):
-    def __init__(self, path: Path, meta: dict, token_ids: torch.Tensor, ranking: torch.Tensor, scores: torch.Tensor):
+    def __init__(self, path: Path, meta: dict, token_ids: torch.Tensor, ranking: torch.Tensor, scores: torch.Tensor,
+                 positions: torch.Tensor | None):
         self.path = path
         self.chunk_id = meta["chunk_id"]
         self.ranker = meta["ranker"]
+        self.variant = meta["variant"]
+        self.positions = positions
         self.token_ids = token_ids
         self.ranking = ranking
         self.scores = scores
@@ -180,15 +188,23 @@ class DiskStore(ChunkStore):
         _check_layout(path, header)
         with safe_open(str(path), framework="pt") as f:
             token_ids, ranking, scores = (f.get_tensor(n) for n in ("token_ids", "ranking", "scores"))
-        if meta.get("chunk_id") != expected_id or chunk_id(self.fingerprint, token_ids) != expected_id:
+            positions = f.get_tensor("positions") if "positions" in header else None
+        variant = meta.get("variant")
+        if not isinstance(variant, str):
+            raise CorruptChunkError(f"{path}: no variant in the metadata")
+        if meta.get("chunk_id") != expected_id or chunk_id(self.fingerprint, token_ids, variant) != expected_id:
             raise CorruptChunkError(f"{path}: content does not match chunk id {expected_id}")
+        if positions is not None and positions.numel() and (
+            int(positions[0]) < 0 or int(positions[-1]) >= token_ids.numel() or bool((positions.diff() <= 0).any())
+        ):
+            raise CorruptChunkError(f"{path}: row positions are not increasing positions of the chunk's tokens")
         if not torch.equal(ranking.sort().values, torch.arange(ranking.numel())):
             raise CorruptChunkError(f"{path}: ranking is not a permutation of the chunk's tokens")
         if not torch.equal(ranking_from_scores(scores), ranking):
             raise CorruptChunkError(f"{path}: ranking does not follow the stored scores")
         if not isinstance(meta.get("ranker"), str):
             raise CorruptChunkError(f"{path}: no ranker name in the metadata")
-        return DiskChunk(path, meta, token_ids, ranking, scores)
+        return DiskChunk(path, meta, token_ids, ranking, scores, positions)
 
     def remove(self, chunk_id: str) -> None:
         self._verified.pop(chunk_id, None)

@@ -17,6 +17,8 @@ class MemoryChunk(StoredChunk):
         self.ranking = chunk.ranking
         self.scores = chunk.scores
         self.ranker = chunk.ranker
+        self.positions = chunk.positions
+        self.variant = chunk.variant
         self.keys = chunk.keys if device is None else chunk.keys.to(device)
         self.values = chunk.values if device is None else chunk.values.to(device)
 
