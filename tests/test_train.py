@@ -195,3 +195,20 @@ def test_a_training_run_on_the_real_split_writes_weights_the_engine_serves(kind,
     out = engine.generate(ids, words(3, 3), method=f"{kind}:{tmp_path / WEIGHTS}",
                           sampling=SamplingConfig(max_new_tokens=2))
     assert out.token_ids and out.method == f"{kind}:{tmp_path / WEIGHTS}"
+
+
+def test_a_warm_start_begins_from_the_given_weights_and_refuses_another_layout(tmp_path):
+    from cachetune.eval.datasets import shared_data_dir
+    from cachetune.train.run import train_tokens
+
+    if shared_data_dir() is None:
+        pytest.skip("shared data not present")
+    engine = tiny_engine(threads=None)
+    cfg = TrainConfig(steps=1, accumulate=1, warmup=1, eval_every=1, eval_examples=1, save_every=1)
+    first = train_tokens(engine, tmp_path / "a", cfg, C2Extractor, ExtractorConfig(lora_rank=2))
+    warm = TrainConfig(**{**cfg.__dict__, "init": str(tmp_path / "a" / WEIGHTS)})
+    train_tokens(engine, tmp_path / "b", warm, C2Extractor, ExtractorConfig(lora_rank=2), max_steps=0)
+    history = json.loads((tmp_path / "b" / STATE).read_text())["history"]
+    assert history[0]["heldout"] == pytest.approx(first["heldout"], rel=1e-6)  # step 0 of b = the end of a
+    with pytest.raises(ValueError, match="not this run's"):
+        train_tokens(engine, tmp_path / "c", warm, C2Extractor, ExtractorConfig(lora_rank=4))

@@ -134,7 +134,7 @@ class Trainer:
             self.save()
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
         last_heldout = self.history[-1].get("heldout") if self.history else None
-        while self.step < cfg.steps:
+        while self.step < cfg.steps and (max_steps is None or self.step - first < max_steps):
             for group in self.optimizer.param_groups:
                 group["lr"] = learning_rate(cfg, self.step)
             self.optimizer.zero_grad(set_to_none=True)
