@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from cachetune.c2kv.tokens import TokensFileError, TrainedTokens, read_tokens_file
+from cachetune.c2kv.tokens import TokensFileError, TrainedTokens
 from cachetune.model.adapter import ModelAdapter
 from cachetune.runtime.dense import dense_forward
 
@@ -79,11 +78,6 @@ class C2Extractor(TrainedTokens):
         if any(info.sliding_window is not None for info in adapter.layer_info):
             raise ValueError("C2KV does not support sliding-window attention (compressed rows break windows)")
         super().__init__(adapter, config, base_identity, eos_id, count=None)
-
-
-def read_extractor_file(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(metadata, tensors) of an extractor file (safetensors: no pickle); a clear error if it is not one."""
-    return read_tokens_file(path, FORMAT)
 
 
 def extract_c2kv(
