@@ -274,7 +274,7 @@ def cmd_train(args) -> int:
     from cachetune.blockattn.model import BlockAttentionConfig, BlockAttentionModel
     from cachetune.c2kv.extractor import C2Extractor, ExtractorConfig
     from cachetune.kvlink.links import LinkConfig, LinkTokens
-    from cachetune.train.loop import STATE, WEIGHTS, config_from, plot_history
+    from cachetune.train.loop import STATE, WEIGHTS, config_from, loss_label, plot_history
     from cachetune.train.run import train_tokens
 
     cfg = config_from(vars(args))
@@ -285,9 +285,9 @@ def cmd_train(args) -> int:
     else:
         kind, config = BlockAttentionModel, BlockAttentionConfig(lora_rank=args.lora_rank)
     engine = _engine(args)
-    state = train_tokens(engine, args.out, cfg, kind, config, args.heldout, args.split_seed)
+    state = train_tokens(engine, args.out, cfg, kind, config, args.heldout, args.split_seed, args.max_steps)
     curve = plot_history(json.loads((Path(args.out) / STATE).read_text())["history"], Path(args.out) / "curve.png",
-                         f"{kind.VARIANT} training, {engine.name}")
+                         f"{kind.VARIANT} training, {engine.name}", loss_label(cfg))
     print(f"wrote {curve}", file=sys.stderr)
     print(f"step {state['step']}/{cfg.steps} ({'done' if state['done'] else 'stopped; run again to resume'}), "
           f"held-out loss {state['heldout']:.4f}, {state['elapsed_s'] / 60:.1f} min in all; "
@@ -332,11 +332,15 @@ def cmd_c2kv_eval(args) -> int:
     return 0
 
 
-def cmd_c2kv_export(args) -> int:
-    from cachetune.c2kv.extractor import FORMAT
+def cmd_export(args) -> int:
+    """`cachetune {c2kv,kvlink,block-attention} export`: a trained file in the shipped dtype."""
+    from cachetune.blockattn.model import BlockAttentionModel
+    from cachetune.c2kv.extractor import C2Extractor
     from cachetune.c2kv.tokens import export_tokens
+    from cachetune.kvlink.links import LinkTokens
 
-    path = export_tokens(args.src, args.dst, FORMAT, DTYPES[args.dtype], {"exported_from": str(args.src)})
+    kind = {"c2kv": C2Extractor, "kvlink": LinkTokens, "block-attention": BlockAttentionModel}[args.command]
+    path = export_tokens(args.src, args.dst, kind.FORMAT, DTYPES[args.dtype], {"exported_from": str(args.src)})
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 0
 
@@ -348,11 +352,21 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="run folder: checkpoint, state and weights (resumes from it)")
     p.add_argument("--heldout", type=int, help=f"held-out HotpotQA rows training never sees [{HELDOUT}]")
     p.add_argument("--split-seed", type=int, help=f"seed of the held-out permutation [{SPLIT_SEED}]")
+    p.add_argument("--max-steps", type=int, help="stop (checkpointed) after this many steps in this call; the "
+                                                 "schedule still plans --steps, and a later call continues")
     hints = typing.get_type_hints(TrainConfig)
     group = p.add_argument_group("training", "TrainConfig fields (defaults in brackets)")
     for f in dataclasses.fields(TrainConfig):
         group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_flag_type(hints[f.name]),
                            help=f"[{f.default}]")
+
+
+def _export_args(sub, name: str) -> None:
+    ex = sub.add_parser("export", help="copy trained weights in another dtype (what is shipped)")
+    ex.add_argument("src", help=f"a weights.safetensors of `cachetune {name} train`")
+    ex.add_argument("dst", help="where to write it (files in cachetune/c2kv/weights/ are what 'bundled' finds)")
+    ex.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    ex.set_defaults(func=cmd_export)
 
 
 def c2kv_default_methods() -> str:
@@ -437,11 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(ce, own=("ratio", "max_new_tokens"))
     ce.set_defaults(func=cmd_c2kv_eval)
 
-    ex = c2_sub.add_parser("export", help="copy trained extractor weights in another dtype (what is shipped)")
-    ex.add_argument("src", help="a weights.safetensors of `cachetune c2kv train`")
-    ex.add_argument("dst", help="where to write it (cachetune/c2kv/weights/ is what `c2kv` finds as 'bundled')")
-    ex.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    ex.set_defaults(func=cmd_c2kv_export)
+    _export_args(c2_sub, "c2kv")
 
     for name, what, flag, default, flag_help in (
         ("kvlink", "KVLink's link tokens", "--links", 5, "link tokens after every document"),
@@ -454,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
         train.add_argument(flag, type=int, default=default, help=f"{flag_help} [{default}]")
         _engine_args(train)
         train.set_defaults(func=cmd_train)
+        _export_args(group, name)
     return parser
 
 

@@ -38,7 +38,7 @@ def test_training_sees_what_serving_computes():
         trained = kvlink_logits(engine.adapter, links, sample)
         served = engine.prefill(prompt, "kvlink:step0")
         forced = torch.cat([served.logits[None], served.extend(engine.adapter, answer[:-1].tolist())])
-    assert_close(forced, trained, 1e-4, "answer logits")
+    assert_close(forced, trained[-answer.numel():], 1e-4, "answer logits")
     assert served.prompt_rows == prompt.total + 15 == served.cache.length - 3  # 3 answer tokens extended
     assert served.reused_rows == 23 + 11 + 7  # every document row is reused, none recomputed
 
@@ -93,3 +93,19 @@ def test_a_link_count_other_than_the_files_is_a_clear_error():
     ids, head, after = _parts(engine, [words(9, 8)])
     with pytest.raises(ValueError, match="pass count=5"):
         engine.prefill(engine.prompt_from(head, ids, after), make_method("kvlink:step0", count=3))
+
+
+def test_export_casts_a_links_file_and_refuses_another_kind(tmp_path, capsys):
+    from cachetune.c2kv.tokens import read_tokens_file
+    from cachetune.cli import main
+
+    engine = tiny_engine(threads=None)
+    links = engine.extractors.get("step0", LinkTokens).tokens
+    src, dst = tmp_path / "links.safetensors", tmp_path / "shipped.safetensors"
+    links.save(src)
+    assert main(["kvlink", "export", str(src), str(dst)]) == 0
+    _, tensors = read_tokens_file(dst, LinkTokens.FORMAT)
+    assert tensors["embedding"].dtype == torch.bfloat16
+    assert torch.equal(tensors["embedding"], links.embedding.detach().to(torch.bfloat16))
+    assert main(["c2kv", "export", str(src), str(tmp_path / "wrong.safetensors")]) == 2
+    assert "error" in capsys.readouterr().err and not (tmp_path / "wrong.safetensors").exists()

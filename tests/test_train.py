@@ -82,7 +82,7 @@ def test_training_sees_what_serving_computes():
         trained = c2kv_logits(engine.adapter, extractor, sample)
         served = engine.prefill(engine.prompt_from(head, ids, question), "c2kv:step0")
         teacher_forced = torch.cat([served.logits[None], served.extend(engine.adapter, answer[:-1].tolist())])
-    assert_close(teacher_forced, trained, 1e-4, "answer logits")
+    assert_close(teacher_forced, trained[-answer.numel():], 1e-4, "answer logits")
 
 
 def test_distillation_adds_the_kl_to_the_full_context_model():
@@ -93,6 +93,26 @@ def test_distillation_adds_the_kl_to_the_full_context_model():
     assert kd > 0 and both == pytest.approx(ce + kd, rel=1e-5)
     with pytest.raises(ValueError, match="loss must be"):
         sample_loss(engine.adapter, extractor, sample, c2kv_logits, "mse")
+
+
+def test_tail_distillation_covers_the_question_positions_too():
+    engine, extractor = _setup()
+    sample = _sample(5)
+    a, tail = sample.answer.numel(), sample.question.numel() + sample.answer.numel()
+    with torch.no_grad():
+        logits = c2kv_logits(engine.adapter, extractor, sample)
+        answer, every = (float(sample_loss(engine.adapter, extractor, sample, c2kv_logits, "kd", span))
+                         for span in ("answer", "tail"))
+        # the same KL by hand, per position, from the full-context model run on the whole prompt
+        full = engine.model(input_ids=sample.full[None]).logits[0, -tail:-1].float()
+        per_row = (full.softmax(-1) * (full.log_softmax(-1) - logits.float().log_softmax(-1))).sum(-1)
+    assert logits.shape[0] == tail - 1
+    assert answer == pytest.approx(float(per_row[-a:].mean()), rel=1e-4)
+    assert every == pytest.approx(float(per_row.mean()), rel=1e-4) and every != pytest.approx(answer, rel=1e-3)
+    with pytest.raises(ValueError, match="kd_span must be"):
+        sample_loss(engine.adapter, extractor, sample, c2kv_logits, "kd", "question")
+    with pytest.raises(ValueError, match="kd_span one of"):
+        TrainConfig(loss="kd", kd_span="all")
 
 
 def _trainer(out, steps: int, extractor, engine, seed: int = 0):

@@ -25,12 +25,11 @@ def block_mask(lengths: list[int], tail: int) -> torch.Tensor:
 
 
 def block_attention_logits(adapter: ModelAdapter, tuned: BlockAttentionModel, sample: Sample) -> torch.Tensor:
-    """Next-token logits [len(answer), vocab] of the answer tokens (`adapter` is unused: the fine-tune
-    runs on its own copy of the model)."""
+    """Next-token logits predicting tail[1:] (question + answer; the last len(answer) rows are the
+    answer's). `adapter` is unused: the fine-tune runs on its own copy of the model."""
     own = tuned.adapter
     ids = sample.full.to(own.device)
     tail = sample.question.numel() + sample.answer.numel()
     visible = block_mask([sample.head.numel(), *(d.numel() for d in sample.documents)], tail).to(own.device)
     hidden = dense_forward(own, own.embed(ids), torch.arange(ids.numel(), device=own.device), visible)
-    a = sample.answer.numel()
-    return own.logits(hidden[-a - 1 : -1])
+    return own.logits(hidden[-tail : -1])

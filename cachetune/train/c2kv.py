@@ -18,7 +18,8 @@ from cachetune.train.objective import Sample, document_kv, rotate_layers
 
 
 def c2kv_logits(adapter: ModelAdapter, extractor: C2Extractor, sample: Sample) -> torch.Tensor:
-    """Next-token logits [len(answer), vocab] of the answer tokens over the C2KV-assembled prompt."""
+    """Next-token logits [len(question) + len(answer) - 1, vocab] predicting the tail (question + answer)
+    after its first token over the C2KV-assembled prompt; the last len(answer) rows are the answer's."""
     device = adapter.device
     head_k, head_v = document_kv(adapter, sample.head)
     layers_k = [[k] for k in rotate_layers(adapter, head_k, torch.arange(sample.head.numel()))]
@@ -38,5 +39,4 @@ def c2kv_logits(adapter: ModelAdapter, extractor: C2Extractor, sample: Sample) -
     visible = causal_after_context(context_k[0].shape[0], tail.numel(), device)
     hidden = dense_forward(adapter, adapter.embed(tail), positions, visible,
                            context=lambda layer: (context_k[layer], context_v[layer]))
-    q = sample.question.numel()
-    return adapter.logits(hidden[q - 1 : q - 1 + sample.answer.numel()])
+    return adapter.logits(hidden[:-1])

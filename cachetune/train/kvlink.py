@@ -17,7 +17,8 @@ from cachetune.train.objective import Sample, document_kv, rotate_layers
 
 
 def kvlink_logits(adapter: ModelAdapter, links: LinkTokens, sample: Sample) -> torch.Tensor:
-    """Next-token logits [len(answer), vocab] of the answer tokens over documents + link tokens."""
+    """Next-token logits predicting tail[1:] (question + answer) over documents + link tokens (the
+    objective's contract: the last len(answer) rows are the answer's)."""
     device = adapter.device
     count = links.config.count
     layers_k: list[list[torch.Tensor]] = [[] for _ in range(adapter.num_layers)]
@@ -46,6 +47,4 @@ def kvlink_logits(adapter: ModelAdapter, links: LinkTokens, sample: Sample) -> t
     context_v = [torch.cat(v) for v in layers_v]
     hidden = dense_forward(adapter, torch.cat(active_hidden), act.to(device), visible,
                            context=lambda layer: (context_k[layer], context_v[layer]))
-    a, q = sample.answer.numel(), sample.question.numel()
-    first = hidden.shape[0] - tail.numel() + q - 1
-    return adapter.logits(hidden[first : first + a])
+    return adapter.logits(hidden[-tail.numel() : -1])

@@ -24,6 +24,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from cachetune.train.objective import KD_SPANS, LOSSES
+
 CHECKPOINT = "checkpoint.safetensors"
 STATE = "state.json"
 WEIGHTS = "weights.safetensors"
@@ -39,6 +41,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip: float = 1.0            # gradient norm clipping
     loss: str = "ce"             # "ce" (answer cross-entropy), "kd" (distil the full-context model), "ce+kd"
+    kd_span: str = "answer"      # where "kd" distils: the answer positions or the whole "tail" (question too)
     seed: int = 0                # data draws are a function of (seed, step)
     eval_every: int = 50         # held-out loss every N steps (and at the end)
     eval_examples: int = 24      # held-out examples the progress loss averages over
@@ -52,6 +55,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1")
         if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.clip > 0 and self.warmup >= 0):
             raise ValueError("need lr > 0, 0 <= min_lr_ratio <= 1, clip > 0, warmup >= 0")
+        if self.loss not in LOSSES or self.kd_span not in KD_SPANS:
+            raise ValueError(f"loss must be one of {LOSSES} and kd_span one of {KD_SPANS}")
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
@@ -133,7 +138,7 @@ class Trainer:
             self.history.append({"step": 0, "heldout": self.heldout_fn()})
             self.save()
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
-        last_heldout = self.history[-1].get("heldout") if self.history else None
+        last_heldout = next((h["heldout"] for h in reversed(self.history) if "heldout" in h), None)
         while self.step < cfg.steps and (max_steps is None or self.step - first < max_steps):
             for group in self.optimizer.param_groups:
                 group["lr"] = learning_rate(cfg, self.step)
@@ -177,7 +182,15 @@ def config_from(args: dict) -> TrainConfig:
     return TrainConfig(**{k: v for k, v in args.items() if k in names and v is not None})
 
 
-def plot_history(history: list[dict], path: str | Path, title: str | None = None) -> Path:
+def loss_label(cfg: TrainConfig) -> str:
+    """What the run's train and held-out losses measure (the curve's y axis)."""
+    kl = f"KL to the full-context model ({'answer' if cfg.kd_span == 'answer' else 'question + answer'})"
+    return {"ce": "answer cross-entropy", "kd": kl, "ce+kd": f"answer cross-entropy + {kl}"}[cfg.loss] \
+        + ", nats / token"
+
+
+def plot_history(history: list[dict], path: str | Path, title: str | None = None,
+                 ylabel: str = "answer cross-entropy, nats / token") -> Path:
     """Train loss (each step, and a running mean over 20) and held-out loss against the step, as PNG."""
     from cachetune.eval.report import pyplot, save_figure
 
@@ -193,6 +206,6 @@ def plot_history(history: list[dict], path: str | Path, title: str | None = None
     held = [(h["step"], h["heldout"]) for h in history if "heldout" in h]
     ax.plot([s for s, _ in held], [v for _, v in held], "o-", color="C3", label="held-out")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("answer cross-entropy (nats / token)")
+    ax.set_ylabel(ylabel)
     ax.legend()
     return save_figure(fig, path, title)

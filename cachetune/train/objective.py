@@ -1,9 +1,12 @@
 """What the trained reuse methods minimise: the answer loss of a prompt laid out as it is served.
 
-A method's `logits_fn(adapter, tokens, sample)` returns the answer-token logits over its own assembly
-of the prompt (C2KV: compressed rows; KVLink: reused documents plus link tokens), differentiable in
-its trained tokens only. Losses: "ce" cross-entropy on the answer tokens (the papers'); "kd" KL from
-the full-context base model's next-token distribution at the answer positions; "ce+kd" their sum.
+A method's `logits_fn(adapter, tokens, sample)` returns the next-token logits of the tail (question +
+answer) after its first token over its own assembly of the prompt (C2KV: compressed rows; KVLink:
+reused documents plus link tokens), differentiable in its trained tokens only; the last len(answer)
+rows predict the answer. Losses: "ce" cross-entropy on the answer tokens (the papers'); "kd" KL from
+the full-context base model's next-token distribution; "ce+kd" their sum. The KL covers the answer
+positions (`kd_span="answer"`) or every tail position (`"tail"`: the question tokens read the
+documents too, which gives distillation ~5x more targets per prompt than the short answers alone).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from cachetune.chunks.kv import encode_kv
 from cachetune.model.adapter import ModelAdapter
 
 LOSSES = ("ce", "kd", "ce+kd")
+KD_SPANS = ("answer", "tail")
 
 
 @dataclass(frozen=True)
@@ -52,26 +56,30 @@ def rotate_layers(adapter: ModelAdapter, keys: torch.Tensor, positions: torch.Te
 
 @torch.no_grad()
 def teacher_logits(adapter: ModelAdapter, sample: Sample) -> torch.Tensor:
-    """The full-context base model's next-token logits [len(answer), vocab] at the answer positions."""
+    """The full-context base model's next-token logits predicting tail[1:] (as `logits_fn`)."""
     full = sample.full.to(adapter.device)
     logits = adapter.model(input_ids=full[None], use_cache=False).logits[0].float()
-    a = sample.answer.numel()
-    return logits[-a - 1 : -1]
+    tail = sample.question.numel() + sample.answer.numel()
+    return logits[-tail:-1]
 
 
 def sample_loss(adapter: ModelAdapter, tokens: torch.nn.Module, sample: Sample, logits_fn: LogitsFn,
-                loss: str = "ce") -> torch.Tensor:
-    """Mean loss per answer token of one sample (differentiable in `tokens` only)."""
+                loss: str = "ce", kd_span: str = "answer") -> torch.Tensor:
+    """Mean loss per target token of one sample (differentiable in `tokens` only)."""
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    if kd_span not in KD_SPANS:
+        raise ValueError(f"kd_span must be one of {KD_SPANS}, got {kd_span!r}")
     logits = logits_fn(adapter, tokens, sample)
-    target = sample.answer.to(logits.device)
+    a = sample.answer.numel()
     total = logits.new_zeros(())
     if "ce" in loss.split("+"):
-        total = total + F.cross_entropy(logits, target)
+        total = total + F.cross_entropy(logits[-a:], sample.answer.to(logits.device))
     if "kd" in loss.split("+"):
-        teacher = torch.log_softmax(teacher_logits(adapter, sample), dim=-1)
-        total = total + F.kl_div(torch.log_softmax(logits, dim=-1), teacher, log_target=True, reduction="batchmean")
+        rows = slice(-a, None) if kd_span == "answer" else slice(None)
+        teacher = torch.log_softmax(teacher_logits(adapter, sample)[rows], dim=-1)
+        student = torch.log_softmax(logits[rows], dim=-1)
+        total = total + F.kl_div(student, teacher, log_target=True, reduction="batchmean")
     return total
 
 
