@@ -367,3 +367,45 @@ def random_selected(layout, ratio: float, seed: int):
 def generated_ids(decoded) -> list[int]:
     """generate_tokens returns the id list (older versions: an object with .ids)."""
     return list(getattr(decoded, "ids", decoded))
+
+
+def served_answer_logits(engine: Engine, prompt, method: str, answer: torch.Tensor):
+    """(prefill, logits [len(answer), vocab]): `method` serving `prompt`, then teacher-forced on `answer`."""
+    served = engine.prefill(prompt, method)
+    return served, torch.cat([served.logits[None], served.extend(engine.adapter, answer[:-1].tolist())])
+
+
+def train_steps(engine: Engine, tokens: torch.nn.Module, sample, logits_fn, lr: float, steps: int):
+    """(loss before, loss after) `steps` AdamW steps on one sample, over `tokens`' trainable tensors."""
+    from cachetune.train.objective import sample_loss
+
+    optimizer = torch.optim.AdamW(list(tokens.trainable().values()), lr=lr)
+    with torch.enable_grad():
+        start = float(sample_loss(engine.adapter, tokens, sample, logits_fn).detach())
+        for _ in range(steps):
+            optimizer.zero_grad()
+            sample_loss(engine.adapter, tokens, sample, logits_fn).backward()
+            optimizer.step()
+        end = float(sample_loss(engine.adapter, tokens, sample, logits_fn).detach())
+    return start, end
+
+
+def alone_then_added(engine: Engine, method: str, sizes=(33, 18, 41)):
+    """(token ids of each request generated alone, the same requests added to the engine, not yet
+    stepped): request i asks over the chunks i.. of documents of `sizes` words, 5 tokens each."""
+    from cachetune import SamplingConfig
+
+    ids = [engine.cache_chunk(words(n, 60 + n)) for n in sizes]
+    sampling = SamplingConfig(max_new_tokens=5, ignore_eos=True)
+    alone = [engine.generate(ids[i:], words(4, i), method=method, sampling=sampling).token_ids
+             for i in range(len(ids))]
+    return alone, [engine.add_request(ids[i:], words(4, i), method=method, sampling=sampling)
+                   for i in range(len(ids))]
+
+
+@pytest.fixture(autouse=True)
+def _restore_grad_mode():
+    """The CLI's main() turns autograd off for its process; a test that calls it must not leak that."""
+    enabled = torch.is_grad_enabled()
+    yield
+    torch.set_grad_enabled(enabled)

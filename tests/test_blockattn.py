@@ -6,8 +6,8 @@ import torch
 
 from cachetune.blockattn.model import BlockAttentionConfig, BlockAttentionModel
 from cachetune.train.blockattn import block_attention_logits, block_mask
-from cachetune.train.objective import Sample, sample_loss
-from conftest import assert_close, rand_ids, tiny_engine, words
+from cachetune.train.objective import Sample
+from conftest import assert_close, rand_ids, served_answer_logits, tiny_engine, train_steps, words
 
 
 def test_the_block_mask_keeps_blocks_apart_and_lets_the_tail_see_all():
@@ -52,8 +52,8 @@ def test_training_sees_what_serving_computes(tmp_path):
     sample = Sample(head, [engine.tokenize(d) for d in docs], question, answer)
     with torch.no_grad():
         trained = block_attention_logits(engine.adapter, tuned, sample)
-        served = engine.prefill(engine.prompt_from(head, ids, question), f"block_attention:{path}")
-        forced = torch.cat([served.logits[None], served.extend(engine.adapter, answer[:-1].tolist())])
+        served, forced = served_answer_logits(engine, engine.prompt_from(head, ids, question),
+                                              f"block_attention:{path}", answer)
     assert_close(forced, trained[-answer.numel():], 1e-4, "answer logits")
     assert not torch.allclose(served.logits, engine.prefill(engine.prompt_from(head, ids, question),
                                                             "full_reuse").logits)
@@ -66,14 +66,7 @@ def test_training_changes_only_the_adapters_of_the_copy():
     names = set(tuned.trainable())
     assert names and all("lora_" in n for n in names)
     sample = Sample(rand_ids(5, 1), [rand_ids(15, 2), rand_ids(9, 3)], rand_ids(4, 4), rand_ids(3, 5))
-    optimizer = torch.optim.AdamW(list(tuned.trainable().values()), lr=1e-2)
-    with torch.enable_grad():
-        start = float(sample_loss(engine.adapter, tuned, sample, block_attention_logits).detach())
-        for _ in range(6):
-            optimizer.zero_grad()
-            sample_loss(engine.adapter, tuned, sample, block_attention_logits).backward()
-            optimizer.step()
-        end = float(sample_loss(engine.adapter, tuned, sample, block_attention_logits).detach())
+    start, end = train_steps(engine, tuned, sample, block_attention_logits, lr=1e-2, steps=6)
     assert end < start - 0.05
     assert all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
 

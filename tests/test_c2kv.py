@@ -12,7 +12,8 @@ from cachetune.c2kv.extractor import C2Extractor, ExtractorConfig, ExtractorErro
 from cachetune.chunks.kv import encode_kv
 from cachetune.methods import make_method
 from cachetune.runtime.dense import masked_attention
-from conftest import assert_close, hf_cache_from_rows, hf_forward, hf_layer_kv, rand_ids, tiny_engine, words
+from conftest import (alone_then_added, assert_close, hf_cache_from_rows, hf_forward, hf_layer_kv, rand_ids,
+                      tiny_engine, words)
 
 TOL = 1e-4
 EOS = 2
@@ -282,14 +283,8 @@ def test_c2_rows_live_in_the_store_under_an_id_of_the_extractor(tmp_path):
 
 
 def test_c2kv_serves_in_a_batch_like_alone_and_reserves_only_its_rows():
-    from cachetune import SamplingConfig
-
     engine = tiny_engine(threads=None)
-    ids = [engine.cache_chunk(words(n, 60 + n)) for n in (33, 18, 41)]
-    sampling = SamplingConfig(max_new_tokens=5, ignore_eos=True)
-    alone = [engine.generate(ids[i:], words(4, i), method="c2kv:step0", sampling=sampling).token_ids
-             for i in range(3)]
-    reqs = [engine.add_request(ids[i:], words(4, i), method="c2kv:step0", sampling=sampling) for i in range(3)]
+    alone, reqs = alone_then_added(engine, "c2kv:step0")
     engine.step()
     prompts = [r.prompt for r in reqs]
     expect = sum(p.segments[0].token_ids.numel() + p.segments[-1].token_ids.numel()

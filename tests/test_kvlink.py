@@ -8,8 +8,8 @@ import torch
 from cachetune.kvlink.links import LinkConfig, LinkTokens, link_layout
 from cachetune.methods import make_method
 from cachetune.train.kvlink import kvlink_logits
-from cachetune.train.objective import Sample, sample_loss
-from conftest import assert_close, rand_ids, tiny_engine, words
+from cachetune.train.objective import Sample
+from conftest import alone_then_added, assert_close, rand_ids, served_answer_logits, tiny_engine, train_steps, words
 
 
 def test_links_follow_every_cached_segment_at_positions_of_their_own():
@@ -36,8 +36,7 @@ def test_training_sees_what_serving_computes():
     prompt = engine.prompt_from(head, ids, after)
     with torch.no_grad():
         trained = kvlink_logits(engine.adapter, links, sample)
-        served = engine.prefill(prompt, "kvlink:step0")
-        forced = torch.cat([served.logits[None], served.extend(engine.adapter, answer[:-1].tolist())])
+        served, forced = served_answer_logits(engine, prompt, "kvlink:step0", answer)
     assert_close(forced, trained[-answer.numel():], 1e-4, "answer logits")
     assert served.prompt_rows == prompt.total + 15 == served.cache.length - 3  # 3 answer tokens extended
     assert served.reused_rows == 23 + 11 + 7  # every document row is reused, none recomputed
@@ -62,27 +61,14 @@ def test_training_the_links_lowers_the_loss_and_changes_only_them():
     assert set(links.trainable()) == {"embedding"} and links.embedding.shape == (5, 64)
     sample = Sample(rand_ids(5, 1), [rand_ids(15, 2), rand_ids(9, 3)], rand_ids(4, 4), rand_ids(3, 5))
     before = [p.clone() for p in engine.model.parameters()]
-    optimizer = torch.optim.AdamW([links.embedding], lr=5e-2)
-    with torch.enable_grad():
-        start = float(sample_loss(engine.adapter, links, sample, kvlink_logits).detach())
-        for _ in range(10):
-            optimizer.zero_grad()
-            sample_loss(engine.adapter, links, sample, kvlink_logits).backward()
-            optimizer.step()
-        end = float(sample_loss(engine.adapter, links, sample, kvlink_logits).detach())
+    start, end = train_steps(engine, links, sample, kvlink_logits, lr=5e-2, steps=10)
     assert end < start - 0.05
     assert all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
 
 
 def test_kvlink_serves_in_a_batch_like_alone():
-    from cachetune import SamplingConfig
-
     engine = tiny_engine(threads=None)
-    ids = [engine.cache_chunk(words(n, 60 + n)) for n in (33, 18, 41)]
-    sampling = SamplingConfig(max_new_tokens=5, ignore_eos=True)
-    alone = [engine.generate(ids[i:], words(4, i), method="kvlink:step0", sampling=sampling).token_ids
-             for i in range(3)]
-    reqs = [engine.add_request(ids[i:], words(4, i), method="kvlink:step0", sampling=sampling) for i in range(3)]
+    alone, reqs = alone_then_added(engine, "kvlink:step0")
     while engine.has_unfinished():
         engine.step()
     assert [r.output_ids for r in reqs] == alone

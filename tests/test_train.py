@@ -16,7 +16,7 @@ from cachetune.train.objective import Sample, sample_loss
 from cachetune.train.data import draw, split_examples
 from cachetune.train.loop import STATE, WEIGHTS, TrainConfig, Trainer, learning_rate, plot_history
 from cachetune.runtime.decode import SamplingConfig
-from conftest import assert_close, rand_ids, tiny_engine, words
+from conftest import assert_close, rand_ids, served_answer_logits, tiny_engine, words
 
 EOS = 2
 
@@ -80,8 +80,7 @@ def test_training_sees_what_serving_computes():
     sample = Sample(head, [engine.tokenize(d) for d in docs], question, answer)
     with torch.no_grad():
         trained = c2kv_logits(engine.adapter, extractor, sample)
-        served = engine.prefill(engine.prompt_from(head, ids, question), "c2kv:step0")
-        teacher_forced = torch.cat([served.logits[None], served.extend(engine.adapter, answer[:-1].tolist())])
+        _, teacher_forced = served_answer_logits(engine, engine.prompt_from(head, ids, question), "c2kv:step0", answer)
     assert_close(teacher_forced, trained[-answer.numel():], 1e-4, "answer logits")
 
 
@@ -228,7 +227,10 @@ def test_a_warm_start_begins_from_the_given_weights_and_refuses_another_layout(t
     first = train_tokens(engine, tmp_path / "a", cfg, C2Extractor, ExtractorConfig(lora_rank=2))
     warm = TrainConfig(**{**cfg.__dict__, "init": str(tmp_path / "a" / WEIGHTS)})
     train_tokens(engine, tmp_path / "b", warm, C2Extractor, ExtractorConfig(lora_rank=2), max_steps=0)
-    history = json.loads((tmp_path / "b" / STATE).read_text())["history"]
+    state = json.loads((tmp_path / "b" / STATE).read_text())
+    history = state["history"]
+    # the run is named by its extractor's config and where it started
+    assert state["identity"]["extractor"]["lora_rank"] == 2 and state["identity"]["init"] == warm.init
     assert history[0]["heldout"] == pytest.approx(first["heldout"], rel=1e-6)  # step 0 of b = the end of a
     with pytest.raises(ValueError, match="not this run's"):
         train_tokens(engine, tmp_path / "c", warm, C2Extractor, ExtractorConfig(lora_rank=4))

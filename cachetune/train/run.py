@@ -53,8 +53,8 @@ def train_tokens(engine, out, cfg: TrainConfig, kind: type, config, heldout: int
         if start.config != config:
             raise ValueError(f"{cfg.init}: its config {start.config} is not this run's {config}")
         with torch.no_grad():
-            for name, p in tokens.trainable().items():
-                p.copy_(start.trainable()[name])
+            for tensor_name, p in tokens.trainable().items():
+                p.copy_(start.trainable()[tensor_name])
     tokens.train()
     eval_set = split.heldout[: cfg.eval_examples]
 
