@@ -279,7 +279,8 @@ def cmd_train(args) -> int:
 
     cfg = config_from(vars(args))
     if args.command == "c2kv":
-        kind, config = C2Extractor, ExtractorConfig(residual=args.residual, lora_rank=args.lora_rank)
+        kind, config = C2Extractor, ExtractorConfig(residual=args.residual, anchor=args.anchor,
+                                                    lora_rank=args.lora_rank)
     elif args.command == "kvlink":
         kind, config = LinkTokens, LinkConfig(count=args.links)
     else:
@@ -431,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr = c2_sub.add_parser("train", help="train (or resume) a C2KV extractor on the HotpotQA training split")
     _train_args(tr)
     tr.add_argument("--residual", action="store_true", help="the C2KV-Residual variant")
+    tr.add_argument("--anchor", action="store_true",
+                    help="anchored C2Tokens: each enters as its block's last token's embedding plus the learned "
+                         "offset (step 0 starts from keep_every_4th's quality)")
     tr.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on the copied projections (0: full) [0]")
     _engine_args(tr)
     tr.set_defaults(func=cmd_train)

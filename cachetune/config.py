@@ -37,7 +37,7 @@ class EngineConfig:
     ranking: str = "first"          # offline ranker stored with each chunk, read by cachetune (chunks.rankers)
     alpha: float = 0.5              # share of low frequencies kept by the `lf` ranking
     max_new_tokens: int = 64        # decode budget of a request that sets none
-    c2kv_extractor: str = "bundled"  # C2KV extractor: "bundled" (shipped for the model), "step0" or a file
+    c2kv_extractor: str = "bundled"  # C2KV extractor: "bundled" (shipped for the model), "paper", "step0" or a file
     kvlink_links: str = "bundled"   # KVLink link tokens: "bundled", "step0" or a file
     block_attention_weights: str = "bundled"  # Block-Attention LoRA fine-tune: "bundled", "step0" or a file
     # -- scheduling and memory

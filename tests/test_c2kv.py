@@ -53,7 +53,10 @@ def _joint_reference(model, extractor: C2Extractor, ids: torch.Tensor, block: in
     m = math.ceil(n / block)
     backbone = model.model
     pos = torch.cat([torch.arange(n), torch.clamp(torch.arange(1, m + 1) * block, max=n) - 1])
-    hidden = torch.cat([backbone.embed_tokens(ids.to(model.device)), extractor.embedding[None].expand(m, -1)])
+    c2 = extractor.embedding[None].expand(m, -1)
+    if extractor.config.anchor:  # each C2Token carries its block's last token
+        c2 = c2 + backbone.embed_tokens(ids[pos[n:]].to(model.device))
+    hidden = torch.cat([backbone.embed_tokens(ids.to(model.device)), c2])
     mask = _reference_mask(n, block).to(model.device)
     out = []
     for i, layer in enumerate(backbone.layers):
@@ -99,9 +102,10 @@ def _extract(adapter, ex, ids):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("n", [37, 40])
-def test_extraction_equals_a_joint_forward_with_the_papers_mask(tiny_adapter, family, n):
+@pytest.mark.parametrize("anchor", [False, True])
+def test_extraction_equals_a_joint_forward_with_the_papers_mask(tiny_adapter, family, n, anchor):
     model, adapter = tiny_adapter(family)
-    ex = _perturbed_extractor(adapter)
+    ex = _perturbed_extractor(adapter, anchor=anchor)
     ids = rand_ids(n, 5)
     ref = _joint_reference(model, ex, ids, 4)
     k, v, positions = _extract(adapter, ex, ids)
@@ -186,6 +190,20 @@ def test_residual_variant_adds_the_block_mean_of_normed_embeddings_at_layer_0(ti
     assert_close(expect, k[0], TOL, "layer-0 C2 keys")
 
 
+def test_an_untrained_anchored_c2token_starts_as_its_blocks_last_token(tiny_adapter):
+    model, adapter = tiny_adapter("llama")
+    ex = _extractor(adapter, anchor=True)
+    assert not ex.embedding.any()  # the learned offset starts at zero
+    ids = rand_ids(14, 12)
+    k, v, positions = _extract(adapter, ex, ids)
+    doc_k, doc_v = encode_kv(adapter, ids)
+    # layer 0 sees only its input: the C2Token's K/V are exactly its block-end token's
+    assert_close(doc_k[0][positions], k[0], TOL, "layer-0 C2 keys")
+    assert_close(doc_v[0][positions], v[0], TOL, "layer-0 C2 values")
+    plain, _, _ = _extract(adapter, _extractor(adapter), ids)
+    assert not torch.allclose(plain[0], k[0])
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_a_fully_masked_row_gives_zeros_and_finite_gradients(backend, device):
@@ -249,7 +267,7 @@ def _hf_c2kv_reference(engine, extractor, layout):
     return logits[-1]
 
 
-@pytest.mark.parametrize("spec", ["step0", "step0+residual"])
+@pytest.mark.parametrize("spec", ["step0", "step0+residual", "step0+anchor"])
 def test_c2kv_prefill_matches_hf_over_the_assembled_c2_rows(spec):
     engine = tiny_engine(threads=None)
     ids = [engine.cache_chunk(words(n, 80 + n)) for n in (33, 18, 41)]
@@ -315,7 +333,9 @@ def test_unknown_extractors_and_a_missing_bundled_one_are_clear_errors(tmp_path)
     layout = engine.build_prompt([cid], words(4, 4))
     with pytest.raises(ExtractorError, match="no bundled c2kv weights"):
         engine.prefill(layout, "c2kv")
-    with pytest.raises(ExtractorError, match="neither"):
+    with pytest.raises(ExtractorError, match="no paper c2kv weights"):
+        engine.prefill(layout, "c2kv:paper")
+    with pytest.raises(ExtractorError, match="not a shipped name"):
         engine.prefill(layout, f"c2kv:{tmp_path / 'missing.safetensors'}")
     with pytest.raises(ValueError, match="one row per 4 tokens"):
         engine.prefill(layout, make_method("c2kv:step0", block=8))

@@ -89,7 +89,9 @@ def test_distillation_adds_the_kl_to_the_full_context_model():
     sample = _sample(3)
     with torch.no_grad():
         ce, kd, both = (float(sample_loss(engine.adapter, extractor, sample, c2kv_logits, loss)) for loss in ("ce", "kd", "ce+kd"))
+        weighted = float(sample_loss(engine.adapter, extractor, sample, c2kv_logits, "ce+kd", ce_weight=0.25))
     assert kd > 0 and both == pytest.approx(ce + kd, rel=1e-5)
+    assert weighted == pytest.approx(0.25 * ce + kd, rel=1e-5)
     with pytest.raises(ValueError, match="loss must be"):
         sample_loss(engine.adapter, extractor, sample, c2kv_logits, "mse")
 

@@ -2,8 +2,9 @@
 
     bank = ExtractorBank(adapter, weights_identity(model), model_fingerprint(model), eos_id)
     bank.get("bundled")              # the C2KV extractor shipped for this exact base model (c2kv/weights/)
+    bank.get("paper")                # the shipped one trained as the paper builds it (c2kv/weights/paper/)
     bank.get("step0")                # untrained: copies of the base projections, EOS embedding
-    bank.get("step0+residual")       # the same, residual variant
+    bank.get("step0+residual")       # the same, residual variant ("step0+anchor": anchored C2Tokens)
     bank.get("runs/c2kv/extractor.safetensors")
     bank.get("step0", LinkTokens)    # any TrainedTokens kind (KVLink's link tokens)
 """
@@ -19,6 +20,7 @@ from cachetune.lru import LRUDict
 from cachetune.model.adapter import ModelAdapter
 
 BUNDLED_DIR = Path(__file__).parent / "weights"
+SHIPPED = {"bundled": BUNDLED_DIR, "paper": BUNDLED_DIR / "paper"}  # spec -> folder of shipped files
 
 
 @dataclass(frozen=True)
@@ -68,14 +70,14 @@ class ExtractorBank:
     def _build(self, spec: str, kind: type[TrainedTokens]) -> TrainedTokens:
         if spec in kind.STEP0:
             return kind(self.adapter, kind.STEP0[spec], self.base_identity, self.eos_id)
-        if spec == "bundled":
-            path = bundled_path(self.base_identity, kind.FORMAT)
+        if spec in SHIPPED:
+            path = bundled_path(self.base_identity, kind.FORMAT, SHIPPED[spec])
             if path is None:
-                raise TokensFileError(f"no bundled {kind.VARIANT} weights for this model; train them with "
+                raise TokensFileError(f"no {spec} {kind.VARIANT} weights for this model; train them with "
                                       f"`cachetune {kind.VARIANT} train` and pass the file as {kind.VARIANT}:<path>")
         else:
             path = Path(spec)
             if not path.is_file():
-                raise TokensFileError(f"{kind.VARIANT} weights {spec!r} are neither 'bundled', a step-0 name "
-                                      f"({', '.join(kind.STEP0)}) nor an existing file")
+                raise TokensFileError(f"{kind.VARIANT} weights {spec!r} are not a shipped name ({', '.join(SHIPPED)}), "
+                                      f"a step-0 name ({', '.join(kind.STEP0)}) or an existing file")
         return kind.load(path, self.adapter, self.base_identity, self.eos_id)

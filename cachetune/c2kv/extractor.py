@@ -35,6 +35,7 @@ ExtractorError = TokensFileError  # an extractor file that is unreadable, or mad
 class ExtractorConfig:
     block: int = 4            # document tokens per C2Token (the compression ratio k)
     residual: bool = False    # C2KV-Residual: add the block's mean normed hidden state at layer 0
+    anchor: bool = False      # C2Token j enters as its block's last token's embedding + the learned offset
     lora_rank: int = 0        # 0: train full copies of the projections; r > 0: frozen copies + rank-r LoRA
     lora_alpha: float = 32.0  # LoRA scale numerator (scale = alpha / rank)
 
@@ -72,12 +73,16 @@ class C2Extractor(TrainedTokens):
     FORMAT = FORMAT
     CONFIG = ExtractorConfig
     VARIANT = "c2kv"
-    STEP0 = {"step0": ExtractorConfig(), "step0+residual": ExtractorConfig(residual=True)}
+    STEP0 = {"step0": ExtractorConfig(), "step0+residual": ExtractorConfig(residual=True),
+             "step0+anchor": ExtractorConfig(anchor=True)}
 
     def __init__(self, adapter: ModelAdapter, config: ExtractorConfig, base_identity: str, eos_id: int):
         if any(info.sliding_window is not None for info in adapter.layer_info):
             raise ValueError("C2KV does not support sliding-window attention (compressed rows break windows)")
         super().__init__(adapter, config, base_identity, eos_id, count=None)
+        if config.anchor:  # the shared embedding becomes an offset on each block's own token: 0 at step 0
+            with torch.no_grad():
+                self.embedding.zero_()
 
 
 def extract_c2kv(
@@ -102,6 +107,10 @@ def extract_c2kv(
     m = positions.numel()
     dtype = adapter.dtype
     hidden = extractor.embedding.to(dtype).expand(m, -1)
+    if extractor.config.anchor:
+        with torch.no_grad():
+            anchors = adapter.embed(token_ids.to(device)[positions])  # [m, hidden] each block's last token
+        hidden = hidden + anchors
     shift = None
     if extractor.config.residual:
         with torch.no_grad():  # the document side is frozen

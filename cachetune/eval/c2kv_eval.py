@@ -18,8 +18,8 @@ from cachetune.eval.harness import DOCUMENT_SEPARATOR
 from cachetune.methods.c2kv import encode_c2kv
 from cachetune.store.disk import serialize_chunk
 
-DEFAULT_METHODS = ("full_recompute,c2kv,c2kv:step0,keep_every_4th,block_mean_4,kvlink,block_attention,full_reuse,"
-                   "cachetune,epic,cacheblend")
+DEFAULT_METHODS = ("full_recompute,c2kv,c2kv:paper,c2kv:step0,c2kv:step0+anchor,keep_every_4th,block_mean_4,kvlink,"
+                   "block_attention,full_reuse,cachetune,epic,cacheblend")
 SHUFFLED = "shuffled"
 
 

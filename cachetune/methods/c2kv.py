@@ -7,7 +7,9 @@ rotates them at the chunk's start plus their block-end positions and computes th
 its full-prompt positions (the question starts after the *original* lengths of the documents).
 
     c2kv                    the bundled trained extractor of the engine's model (EngineConfig.c2kv_extractor)
+    c2kv:paper              the shipped extractor built as the paper builds it (EOS-initialised C2Tokens)
     c2kv:step0              the untrained extractor (copies of the base projections): what training buys
+    c2kv:step0+anchor       untrained, anchored C2Tokens (each starts as its block's last token)
     c2kv:path/to/file.safetensors
 """
 
@@ -30,7 +32,7 @@ from cachetune.store.base import StoredChunk
 
 @dataclass(frozen=True)
 class C2KVSettings:
-    extractor: str = EngineConfig.c2kv_extractor  # "bundled", "step0", "step0+residual" or a file
+    extractor: str = EngineConfig.c2kv_extractor  # "bundled", "paper", a step-0 name or a file
     block: int = 4  # document tokens per C2 row; must be the extractor's (the KV budget reserves by it)
 
     def __post_init__(self) -> None:

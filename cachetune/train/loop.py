@@ -42,6 +42,7 @@ class TrainConfig:
     clip: float = 1.0            # gradient norm clipping
     loss: str = "ce"             # "ce" (answer cross-entropy), "kd" (distil the full-context model), "ce+kd"
     kd_span: str = "answer"      # where "kd" distils: the answer positions or the whole "tail" (question too)
+    ce_weight: float = 1.0       # weight of the answer cross-entropy in "ce+kd" (the KL's is 1)
     seed: int = 0                # data draws are a function of (seed, step)
     eval_every: int = 50         # held-out loss every N steps (and at the end)
     eval_examples: int = 24      # held-out examples the progress loss averages over
@@ -55,6 +56,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1")
         if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.clip > 0 and self.warmup >= 0):
             raise ValueError("need lr > 0, 0 <= min_lr_ratio <= 1, clip > 0, warmup >= 0")
+        if not self.ce_weight > 0:
+            raise ValueError(f"ce_weight must be > 0, got {self.ce_weight}")
         if self.loss not in LOSSES or self.kd_span not in KD_SPANS:
             raise ValueError(f"loss must be one of {LOSSES} and kd_span one of {KD_SPANS}")
 
@@ -185,7 +188,8 @@ def config_from(args: dict) -> TrainConfig:
 def loss_label(cfg: TrainConfig) -> str:
     """What the run's train and held-out losses measure (the curve's y axis)."""
     kl = f"KL to the full-context model ({'answer' if cfg.kd_span == 'answer' else 'question + answer'})"
-    return {"ce": "answer cross-entropy", "kd": kl, "ce+kd": f"answer cross-entropy + {kl}"}[cfg.loss] \
+    weight = "" if cfg.ce_weight == 1 else f"{cfg.ce_weight:g} x "
+    return {"ce": "answer cross-entropy", "kd": kl, "ce+kd": f"{weight}answer cross-entropy + {kl}"}[cfg.loss] \
         + ", nats / token"
 
 

@@ -64,8 +64,9 @@ def teacher_logits(adapter: ModelAdapter, sample: Sample) -> torch.Tensor:
 
 
 def sample_loss(adapter: ModelAdapter, tokens: torch.nn.Module, sample: Sample, logits_fn: LogitsFn,
-                loss: str = "ce", kd_span: str = "answer") -> torch.Tensor:
-    """Mean loss per target token of one sample (differentiable in `tokens` only)."""
+                loss: str = "ce", kd_span: str = "answer", ce_weight: float = 1.0) -> torch.Tensor:
+    """Mean loss per target token of one sample (differentiable in `tokens` only); in "ce+kd" the
+    cross-entropy counts `ce_weight` times."""
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
     if kd_span not in KD_SPANS:
@@ -74,7 +75,8 @@ def sample_loss(adapter: ModelAdapter, tokens: torch.nn.Module, sample: Sample, 
     a = sample.answer.numel()
     total = logits.new_zeros(())
     if "ce" in loss.split("+"):
-        total = total + F.cross_entropy(logits[-a:], sample.answer.to(logits.device))
+        ce = F.cross_entropy(logits[-a:], sample.answer.to(logits.device))
+        total = total + (ce_weight * ce if loss == "ce+kd" else ce)
     if "kd" in loss.split("+"):
         rows = slice(-a, None) if kd_span == "answer" else slice(None)
         teacher = torch.log_softmax(teacher_logits(adapter, sample)[rows], dim=-1)

@@ -30,11 +30,12 @@ STUDENTS: dict[type, tuple[LogitsFn, str]] = {C2Extractor: (c2kv_logits, "extrac
                                                BlockAttentionModel: (block_attention_logits, "lora")}
 
 
-def heldout_loss(engine, tokens, logits_fn: LogitsFn, examples, loss: str = "ce", kd_span: str = "answer") -> float:
+def heldout_loss(engine, tokens, logits_fn: LogitsFn, examples, loss: str = "ce", kd_span: str = "answer",
+                 ce_weight: float = 1.0) -> float:
     """Mean training loss over held-out examples served with all their documents (no grad)."""
     with torch.no_grad():
         values = [float(sample_loss(engine.adapter, tokens, build_sample(engine, heldout_draw(ex)), logits_fn,
-                                    loss, kd_span)) for ex in examples]
+                                    loss, kd_span, ce_weight)) for ex in examples]
     return sum(values) / len(values)
 
 
@@ -60,7 +61,7 @@ def train_tokens(engine, out, cfg: TrainConfig, kind: type, config, heldout: int
 
     def loss_fn(step: int, index: int) -> torch.Tensor:
         sample = build_sample(engine, draw(split.train, cfg.seed, step, index))
-        return sample_loss(engine.adapter, tokens, sample, logits_fn, cfg.loss, cfg.kd_span)
+        return sample_loss(engine.adapter, tokens, sample, logits_fn, cfg.loss, cfg.kd_span, cfg.ce_weight)
 
     def save_weights(path, meta) -> None:
         tokens.save(path, {**meta, "train": {"heldout": heldout, "split_seed": split_seed, **asdict(cfg)}})
@@ -70,6 +71,7 @@ def train_tokens(engine, out, cfg: TrainConfig, kind: type, config, heldout: int
     if cfg.init is not None:
         identity["init"] = cfg.init
     trainer = Trainer(out, cfg, tokens.trainable(), loss_fn,
-                      lambda: heldout_loss(engine, tokens, logits_fn, eval_set, cfg.loss, cfg.kd_span), save_weights, identity)
+                      lambda: heldout_loss(engine, tokens, logits_fn, eval_set, cfg.loss, cfg.kd_span, cfg.ce_weight),
+                      save_weights, identity)
     trainer.resume()
     return trainer.run(max_steps)
