@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 import typing
 from dataclasses import replace
@@ -15,20 +14,9 @@ from pathlib import Path
 
 import torch
 
-from cachetune.config import DTYPES, STORES, EngineConfig
+from cachetune.config import DTYPES, EngineConfig, byte_size
 
-CHOICES = {"dtype": sorted(DTYPES), "store": list(STORES)}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(|B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-
-
-def byte_size(text: str) -> int:
-    """'4GiB', '512MiB', '1.5GB' or a plain number of bytes -> bytes."""
-    match = _SIZE.match(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4GiB, 512MiB, 1000000)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+CHOICES = {"dtype": sorted(DTYPES)}
 
 
 def _flag_type(annotation) -> type:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import tomllib
 import types
 import typing
@@ -19,8 +20,52 @@ from pathlib import Path
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-STORES = ("memory", "disk")
 GiB = 2**30
+MEMORY_TIER_BYTES = 4 * GiB  # a memory tier's budget when none is given
+DISK_TIER_BYTES = 32 * GiB   # a disk tier's budget when none is given
+TIER_ORDER = ("gpu", "cpu", "disk")  # tier kinds, fastest first
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(|B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def byte_size(text: str) -> int:
+    """'4GiB', '512MiB', '1.5GB' or a plain number of bytes -> bytes (ValueError otherwise)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (e.g. 4GiB, 512MiB, 1000000)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One tier of the chunk store: `kind` (TIER_ORDER), a byte budget and, for disk, its folder
+    (None: <cache dir>/chunks)."""
+
+    kind: str
+    max_bytes: int
+    path: str | None = None
+
+
+def parse_tiers(text: str) -> list[TierSpec]:
+    """'gpu:2GiB,cpu:4GiB,disk:/path:100GiB' -> tiers fastest first. `cpu`/`gpu` alone take
+    MEMORY_TIER_BYTES, a disk without a size DISK_TIER_BYTES; `disk` alone is the cache dir."""
+    tiers = []
+    for item in (part.strip() for part in text.split(",")):
+        kind, _, rest = item.partition(":")
+        if kind not in TIER_ORDER:
+            raise ValueError(f"tier {item!r}: kind must be one of {', '.join(TIER_ORDER)}")
+        if kind in ("gpu", "cpu"):
+            tiers.append(TierSpec(kind, byte_size(rest) if rest else MEMORY_TIER_BYTES))
+            continue
+        path, _, size = rest.rpartition(":") if _SIZE.match(rest.rpartition(":")[2]) and ":" in rest else (rest, "", "")
+        tiers.append(TierSpec(kind, byte_size(size) if size else DISK_TIER_BYTES, path or None))
+    ranks = [TIER_ORDER.index(t.kind) for t in tiers]
+    if ranks != sorted(ranks):
+        raise ValueError(f"tiers {text!r} must go fastest first ({' > '.join(TIER_ORDER)})")
+    if len([t for t in tiers if t.kind != "disk"]) != len({t.kind for t in tiers if t.kind != "disk"}):
+        raise ValueError(f"tiers {text!r}: at most one gpu and one cpu tier")
+    return tiers
 
 
 @dataclass(frozen=True)
@@ -45,9 +90,7 @@ class EngineConfig:
     max_running: int = 16           # requests decoded together in one step
     prefill_tokens_per_step: int = 16384  # prompt tokens admitted per step (at least one request)
     # -- chunk cache
-    store: str = "memory"           # "memory" (CPU RAM) or "disk"
-    store_dir: str | None = None    # disk tier root; default <cache dir>/chunks
-    store_bytes: int | None = None  # memory tier byte budget (LRU); None = unbounded
+    tiers: str = "cpu:4GiB"         # chunk store, fastest first: gpu:SIZE, cpu:SIZE, disk[:PATH][:SIZE]
     prefetch: bool = True           # load layer l+1's reused KV while layer l computes
     tracked_chunks: int = 4096      # chunks whose tokens and extra rankings the engine remembers (LRU)
     prefix_blocks: int = 4096       # KV blocks of 16 tokens the prefix cache keeps (LRU)
@@ -56,14 +99,13 @@ class EngineConfig:
         _check_types(self)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.store not in STORES:
-            raise ValueError(f"store must be one of {STORES}, got {self.store!r}")
+        parse_tiers(self.tiers)  # raises with the bad part named
         if not 0 < self.alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
         if not 0 <= self.ratio <= 1:
             raise ValueError(f"ratio must be in [0, 1], got {self.ratio}")
         for name in ("threads", "max_new_tokens", "kv_budget_bytes", "max_running", "prefill_tokens_per_step",
-                     "store_bytes", "tracked_chunks", "prefix_blocks"):
+                     "tracked_chunks", "prefix_blocks"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

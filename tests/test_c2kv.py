@@ -282,7 +282,7 @@ def test_c2kv_prefill_matches_hf_over_the_assembled_c2_rows(spec):
 
 
 def test_c2_rows_live_in_the_store_under_an_id_of_the_extractor(tmp_path):
-    engine = tiny_engine(threads=None, store="disk", store_dir=str(tmp_path))
+    engine = tiny_engine(threads=None, tiers=f"disk:{tmp_path}")
     cid = engine.cache_chunk(words(30, 90))
     layout = engine.build_prompt([cid], words(4, 3))
     before = {p.name for p in tmp_path.rglob("*.safetensors")}
@@ -295,7 +295,7 @@ def test_c2_rows_live_in_the_store_under_an_id_of_the_extractor(tmp_path):
     blob = bytearray(path.read_bytes())
     blob[-10] ^= 0xFF
     path.write_bytes(bytes(blob))
-    fresh = tiny_engine(threads=None, store="disk", store_dir=str(tmp_path))
+    fresh = tiny_engine(threads=None, tiers=f"disk:{tmp_path}")
     fresh.cache_chunk(words(30, 90))
     assert torch.equal(fresh.prefill(fresh.build_prompt([cid], words(4, 3)), "c2kv:step0").logits, plain)
 

@@ -5,22 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cachetune.config import EngineConfig
+from cachetune.config import DISK_TIER_BYTES, GiB, EngineConfig, TierSpec, parse_tiers
 from cachetune.runtime.decode import SamplingConfig, sample
 
 
 def test_config_loads_from_toml_and_json_with_overrides(tmp_path):
     toml = tmp_path / "c.toml"
-    toml.write_text('dtype = "bfloat16"\nalpha = 0.25\nstore = "disk"\n')
+    toml.write_text('dtype = "bfloat16"\nalpha = 0.25\ntiers = "cpu:1GiB,disk:/tmp/x:2GiB"\n')
     cfg = EngineConfig.from_file(toml, alpha=None, threads=2)
-    assert (cfg.dtype, cfg.alpha, cfg.store, cfg.threads) == ("bfloat16", 0.25, "disk", 2)
+    assert (cfg.dtype, cfg.alpha, cfg.tiers, cfg.threads) == ("bfloat16", 0.25, "cpu:1GiB,disk:/tmp/x:2GiB", 2)
     assert cfg.torch_dtype is torch.bfloat16
     js = tmp_path / "c.json"
     js.write_text('{"prefetch": false}')
     assert EngineConfig.from_file(js).prefetch is False
 
 
-@pytest.mark.parametrize("bad", [{"dtype": "int8"}, {"store": "tape"}, {"alpha": 0.0}, {"threads": 0}, {"ratio": 1.5},
+@pytest.mark.parametrize("bad", [{"dtype": "int8"}, {"tiers": "tape:1GiB"}, {"alpha": 0.0}, {"threads": 0}, {"ratio": 1.5},
                                  {"device": "gpu0"}, {"device": "mps"}, {"threads": "2"}, {"prefetch": "yes"},
                                  {"ratio": float("nan")}, {"kv_budget_bytes": 0}, {"max_running": True}])
 def test_config_rejects_invalid_values(bad):
@@ -98,3 +98,26 @@ def test_top_p_keeps_only_the_nucleus_and_seed_reproduces():
 def test_sampling_config_rejects_invalid_values(bad):
     with pytest.raises(ValueError):
         SamplingConfig(**bad)
+
+
+@pytest.mark.parametrize("text, tiers", [
+    ("cpu:4GiB", [TierSpec("cpu", 4 * GiB)]),
+    ("cpu", [TierSpec("cpu", 4 * GiB)]),
+    ("gpu:512MiB, cpu:2GiB", [TierSpec("gpu", 512 * 2**20), TierSpec("cpu", 2 * GiB)]),
+    ("cpu:1GiB,disk:/data/kv:100GiB", [TierSpec("cpu", GiB), TierSpec("disk", 100 * GiB, "/data/kv")]),
+    ("disk:/data/kv", [TierSpec("disk", DISK_TIER_BYTES, "/data/kv")]),
+    ("disk", [TierSpec("disk", DISK_TIER_BYTES)]),
+    ("disk::1GB", [TierSpec("disk", 10**9)]),
+    ("disk:/a:b/c:1GiB,disk:/slow", [TierSpec("disk", GiB, "/a:b/c"), TierSpec("disk", DISK_TIER_BYTES, "/slow")]),
+])
+def test_tier_lists_parse_fastest_first(text, tiers):
+    assert parse_tiers(text) == tiers
+
+
+@pytest.mark.parametrize("text, message", [
+    ("tape:1GiB", "kind must be one of"), ("cpu:lots", "not a size"), ("disk:/x,cpu:1GiB", "fastest first"),
+    ("cpu:1GiB,cpu:2GiB", "at most one"), ("", "kind must be one of"),
+])
+def test_bad_tier_lists_name_the_problem(text, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(tiers=text)

@@ -103,14 +103,14 @@ def test_bad_requests_get_clear_errors(engine):
 
 
 def test_disk_store_detects_corruption_and_reencodes(loaded, tmp_path):
-    engine = Engine(loaded, EngineConfig(store="disk", store_dir=str(tmp_path), self_check=False))
+    engine = Engine(loaded, EngineConfig(tiers=f"disk:{tmp_path}", self_check=False))
     ids = [engine.cache_chunk(d) for d in DOCS]
     before = engine.generate(ids, QUESTION, sampling=SamplingConfig(max_new_tokens=8))
     path = engine.store.path(ids[1])
     blob = bytearray(path.read_bytes())
     blob[-100] ^= 0xFF
     path.write_bytes(bytes(blob))
-    fresh = Engine(loaded, EngineConfig(store="disk", store_dir=str(tmp_path), self_check=False))
+    fresh = Engine(loaded, EngineConfig(tiers=f"disk:{tmp_path}", self_check=False))
     assert ids[1] not in fresh.store  # detected and dropped, never used
     with pytest.raises(KeyError, match="cache_chunk"):
         fresh.generate(ids, QUESTION)  # this engine never saw the text: it cannot rebuild the chunk
@@ -187,3 +187,24 @@ def test_the_step_loop_serves_real_requests_like_generate(engine):
         engine.step()
     assert [r.output_ids for r in reqs] == alone
     assert all(r.ttft_ms > 0 for r in reqs)
+
+
+@pytest.mark.parametrize("when", ["between_requests", "after_the_request_was_queued"])
+def test_a_disk_chunk_truncated_under_the_engine_is_encoded_again_and_the_answer_is_unchanged(tmp_path, when):
+    from conftest import tiny_engine, words
+
+    engine = tiny_engine(threads=None, tiers=f"disk:{tmp_path}")
+    ids = [engine.cache_chunk(words(n, 300 + n)) for n in (30, 21)]
+    sampling = SamplingConfig(max_new_tokens=4, ignore_eos=True)
+    expect = engine.generate(ids, words(4, 1), sampling=sampling).token_ids
+    path = next(tmp_path.rglob(f"{ids[1]}.safetensors"))
+    if when == "after_the_request_was_queued":  # the request already holds the verified handles
+        request = engine.add_request(ids, words(4, 1), sampling=sampling)
+    with open(path, "r+b") as f:  # in place: the inode the engine holds open shrinks
+        f.truncate(path.stat().st_size // 2)
+    if when == "between_requests":
+        request = engine.add_request(ids, words(4, 1), sampling=sampling)
+    while engine.has_unfinished():
+        engine.step()
+    assert request.error is None and request.output_ids == expect
+    assert path.stat().st_size > 0 and next(tmp_path.rglob(f"{ids[1]}.safetensors")) == path  # stored again

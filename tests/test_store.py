@@ -1,8 +1,15 @@
-"""Chunk stores: the in-memory LRU tier and the verified, atomically written disk tier."""
+"""Chunk stores: the in-memory LRU tier and the verified, atomically written disk tier, and what each
+does when its files are damaged, swapped or attacked."""
 
 import json
+import os
 import shutil
+import signal
 import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +18,7 @@ from safetensors import safe_open
 import cachetune.store.disk as disk_module
 from cachetune.chunks.encode import ENCODING_VERSION, EncodedChunk, chunk_id
 from cachetune.store.base import CorruptChunkError
+from cachetune.store.blob import ModelShape
 from cachetune.store.disk import FORMAT, DiskStore
 from cachetune.store.memory import MemoryStore
 
@@ -197,9 +205,8 @@ def test_disk_put_writes_atomically_and_leaves_no_temp_file(tmp_path) -> None:
     assert [p.name for p in store.root.iterdir()] == [path.name]
     # The file is complete: every tensor parses with its full shape.
     with safe_open(str(path), framework="pt") as f:
-        assert set(f.keys()) == {"token_ids", "ranking", "scores", "keys", "values"}
-        assert f.get_tensor("keys").shape == (L, chunk.num_tokens, HKV, D)
-        assert f.get_tensor("values").shape == (L, chunk.num_tokens, HKV, D)
+        assert set(f.keys()) == {"token_ids", "ranking", "scores", "kv"}
+        assert f.get_tensor("kv").shape == (L, chunk.num_tokens, 2, HKV, D)
         assert f.get_tensor("token_ids").shape == (chunk.num_tokens,)
 
 
@@ -243,20 +250,22 @@ def test_disk_file_is_safetensors_not_pickle(tmp_path) -> None:
     assert meta["fingerprint"] == FP
     assert meta["encoding"] == ENCODING_VERSION
     assert len(meta["sha256"]) == 64
-    assert header["keys"]["dtype"] == "F32" and header["keys"]["shape"] == [L, chunk.num_tokens, HKV, D]
+    assert header["kv"]["dtype"] == "F32" and header["kv"]["shape"] == [L, chunk.num_tokens, 2, HKV, D]
     assert header["token_ids"]["dtype"] == "I64"
     data_end = max(entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__")
     assert 8 + header_len + data_end == len(blob)
 
 
 def test_disk_rows_are_stored_in_ranking_order(tmp_path) -> None:
-    # Layout contract: the reuse complement (a ranking tail) is one contiguous range of rows.
+    # Layout contract: the reuse complement (a ranking tail) is one contiguous range of rows, keys
+    # and values of a row side by side.
     store = DiskStore(tmp_path, FP)
     chunk = make_chunk()
     store.put(chunk)
     with safe_open(str(store.path(chunk.chunk_id)), framework="pt") as f:
-        assert torch.equal(f.get_tensor("keys"), chunk.keys[:, chunk.ranking])
-        assert torch.equal(f.get_tensor("values"), chunk.values[:, chunk.ranking])
+        kv = f.get_tensor("kv")
+    assert torch.equal(kv[:, :, 0], chunk.keys[:, chunk.ranking])
+    assert torch.equal(kv[:, :, 1], chunk.values[:, chunk.ranking])
 
 
 def test_second_disk_store_instance_reads_what_the_first_wrote(tmp_path) -> None:
@@ -394,7 +403,7 @@ def test_disk_flipped_dtype_byte_in_header_raises_corrupt(tmp_path) -> None:
     blob = bytearray(path.read_bytes())
     header_len, _ = read_header(path)
     header = blob[8 : 8 + header_len].decode()
-    marker = '"keys":{"dtype":"F32"'
+    marker = '"kv":{"dtype":"F32"'
     pos = 8 + header.index(marker) + len(marker) - 4  # the 'F' of F32"
     assert blob[pos : pos + 3] == b"F32"
     blob[pos] = ord("I")  # still valid JSON and a valid safetensors file (I32 has the same size)
@@ -437,3 +446,164 @@ def test_disk_file_of_the_previous_format_is_dropped_not_used(tmp_path) -> None:
     assert old != blob
     path.write_bytes(old)
     assert_corrupt_and_dropped(DiskStore(tmp_path, FP), chunk.chunk_id, path)
+
+
+# --- a store under attack, or under a crash ----------------------------------------------------------
+
+
+def test_a_file_truncated_under_a_live_store_is_an_error_never_a_crash_or_stale_rows(tmp_path) -> None:
+    chunk, path = write_and_locate(tmp_path)
+    store = DiskStore(tmp_path, FP)
+    stored = store.get(chunk.chunk_id)
+    with open(path, "r+b") as f:  # in place, the same inode: a mapping would die with SIGBUS here
+        f.truncate(200)
+    with pytest.raises(CorruptChunkError, match="truncated"):
+        stored.load_layer(L - 1, torch.arange(chunk.num_tokens))
+    assert_corrupt_and_dropped(store, chunk.chunk_id, path)  # the next get sees the change
+
+
+def test_a_file_rewritten_in_place_is_verified_again_and_dropped(tmp_path) -> None:
+    chunk, path = write_and_locate(tmp_path)
+    store = DiskStore(tmp_path, FP)
+    assert store.get(chunk.chunk_id) is not None
+    blob = bytearray(path.read_bytes())
+    blob[-1] ^= 0x01  # same size, other rows
+    with open(path, "r+b") as f:
+        f.write(blob)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # however coarse the clock
+    assert_corrupt_and_dropped(store, chunk.chunk_id, path)
+
+
+def test_temp_files_of_a_writer_killed_mid_write_are_removed_by_the_next_store(tmp_path) -> None:
+    # A real writer process, killed (SIGKILL) after writing its temp file and before the rename.
+    code = (
+        "import os, signal, sys, torch\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "import cachetune.store.disk as disk\n"
+        "from test_store import make_chunk, FP\n"
+        "disk.os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "disk.DiskStore(sys.argv[1], FP).put(make_chunk(n=4000))\n"
+    )
+    folder = tmp_path / FP[:16]
+    seen = []
+    for _ in range(2):  # the second writer's store removes the first one's leftovers as it opens
+        proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(Path(__file__).parent)],
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        assert proc.returncode == -signal.SIGKILL
+        left = list(folder.glob("*.tmp"))
+        assert len(left) == 1 and left[0] not in seen and left[0].stat().st_size > 4000 * 2 * L * HKV * D * 4
+        seen += left
+    live = folder / f"{'a' * 32}.{os.getpid()}.1.tmp"  # a writer of this very process is alive
+    live.write_bytes(b"partial")
+    store = DiskStore(tmp_path, FP)
+    assert store.removed_temp_files == 1
+    assert list(folder.glob("*.tmp")) == [live]
+
+
+def test_the_checksum_covers_the_metadata(tmp_path) -> None:
+    chunk, path = write_and_locate(tmp_path)
+    blob = path.read_bytes()
+    forged = blob.replace(b'"ranker":"lf"', b'"ranker":"lg"')
+    assert forged != blob
+    path.write_bytes(forged)
+    assert_corrupt_and_dropped(DiskStore(tmp_path, FP), chunk.chunk_id, path)
+
+
+@pytest.mark.parametrize("metadata", ['[1, 2]', '"text"', '{"format": 4}', 'null'])
+def test_a_header_whose_metadata_is_not_a_table_of_strings_is_corrupt(tmp_path, metadata) -> None:
+    chunk, path = write_and_locate(tmp_path)
+    header = json.dumps({"__metadata__": json.loads(metadata)}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    assert_corrupt_and_dropped(DiskStore(tmp_path, FP), chunk.chunk_id, path)
+
+
+@pytest.mark.parametrize("how", ["fifo", "symlink_to_fifo", "symlink_to_valid_file", "directory"])
+def test_a_chunk_path_that_is_not_a_regular_file_is_refused_without_hanging(tmp_path, how) -> None:
+    chunk = make_chunk()
+    store = DiskStore(tmp_path / "store", FP)
+    path = store.path(chunk.chunk_id)
+    if how == "fifo":
+        os.mkfifo(path)
+    elif how == "symlink_to_fifo":
+        os.mkfifo(tmp_path / "fifo")
+        path.symlink_to(tmp_path / "fifo")
+    elif how == "symlink_to_valid_file":
+        DiskStore(tmp_path / "elsewhere", FP).put(chunk)
+        path.symlink_to(DiskStore(tmp_path / "elsewhere", FP).path(chunk.chunk_id))
+    else:
+        path.mkdir()
+    outcome: list = []
+    worker = threading.Thread(target=lambda: outcome.append(_get_outcome(store, chunk.chunk_id)), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert outcome == ["corrupt"], "get() hung or returned data" if not outcome else outcome
+
+
+def _get_outcome(store, cid):
+    try:
+        return store.get(cid)
+    except CorruptChunkError:
+        return "corrupt"
+
+
+def test_a_file_of_another_model_shape_under_the_same_fingerprint_is_corrupt(tmp_path) -> None:
+    chunk, path = write_and_locate(tmp_path)
+    assert chunk.chunk_id in DiskStore(tmp_path, FP, shape=ModelShape(L, HKV, D))
+    for shape in (ModelShape(L + 1, HKV, D), ModelShape(L, HKV * 2, D), ModelShape(L, HKV, D // 2)):
+        with pytest.raises(CorruptChunkError, match="not the model's"):
+            DiskStore(tmp_path, FP, shape=shape).get(chunk.chunk_id)
+        DiskStore(tmp_path, FP).put(chunk)
+
+
+@pytest.mark.parametrize("bad", ["a" * 32 + "\n", "A" * 32, "a" * 31, "../" + "a" * 29, "a" * 33, 7])
+def test_malformed_chunk_ids_never_name_a_path(tmp_path, bad) -> None:
+    with pytest.raises(ValueError, match="malformed chunk id"):
+        DiskStore(tmp_path, FP).path(bad)
+
+
+def test_verified_disk_chunks_hold_no_memory_mappings(tmp_path) -> None:
+    store = DiskStore(tmp_path, FP)
+    chunks = [make_chunk(n=16, seed=s) for s in range(40)]
+    for ch in chunks:
+        store.put(ch)
+    held = [store.get(ch.chunk_id) for ch in chunks]
+    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
+    assert str(store.root) not in maps
+    assert all(torch.equal(h.load_layer(0, ch.ranking)[0], ch.keys[0][ch.ranking]) for h, ch in zip(held, chunks))
+
+
+def test_the_memory_budget_holds_under_threads() -> None:
+    chunks = [make_chunk(n=20, seed=s) for s in range(24)]
+    budget = 3 * chunk_nbytes(chunks[0]) + 100
+    store = MemoryStore(max_bytes=budget)
+    peak, errors = [0], []
+
+    def worker(offset: int) -> None:
+        try:
+            for i in range(300):
+                ch = chunks[(offset + i) % len(chunks)]
+                store.put(ch)
+                peak[0] = max(peak[0], store.nbytes)
+                got = store.get(chunks[(offset + 2 * i) % len(chunks)].chunk_id)
+                if got is not None:
+                    got.load_layer(0, torch.tensor([0]))
+                if i % 7 == 0:
+                    store.remove(ch.chunk_id)
+        except Exception as exc:  # noqa: BLE001 - any exception is the failure under test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t * 5,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and peak[0] <= budget and store.nbytes <= budget
+
+
+def test_the_default_memory_store_has_a_budget() -> None:
+    from cachetune.config import EngineConfig, parse_tiers
+
+    assert MemoryStore().max_bytes == parse_tiers(EngineConfig.tiers)[0].max_bytes
+    with pytest.raises(ValueError, match="max_bytes"):
+        MemoryStore(max_bytes=None)

@@ -29,7 +29,7 @@ from cachetune.c2kv.bank import ExtractorBank
 from cachetune.chunks.encode import chunk_id, encode_chunk
 from cachetune.chunks.probes import PROBE_PASSAGES, ProbeBank
 from cachetune.chunks.rankers import RankingContext, get_ranker
-from cachetune.config import EngineConfig
+from cachetune.config import EngineConfig, parse_tiers
 from cachetune.engine.prompt import DEFAULT_SYSTEM, PromptTemplate
 from cachetune.engine.request import FinishCallback, GenerationResult, Request, RequestStatus, TokenCallback
 from cachetune.engine.scheduler import KVBudget, Scheduler
@@ -45,8 +45,8 @@ from cachetune.runtime.decode import SamplingConfig, sample
 from cachetune.runtime.forward import decode_step
 from cachetune.runtime.kv_cache import kv_bytes_per_row
 from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
-from cachetune.store.disk import DiskStore
-from cachetune.store.memory import MemoryStore
+from cachetune.store.blob import ModelShape
+from cachetune.store.tiered import build_store
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +114,9 @@ class Engine:
         return cls(load_model(config.model, dtype=config.torch_dtype), config)
 
     def _default_store(self) -> ChunkStore:
-        if self.config.store == "memory":
-            return MemoryStore(self.config.store_bytes)
-        root = Path(self.config.store_dir) if self.config.store_dir else default_cache_dir() / "chunks"
-        return DiskStore(root, self.fingerprint)
+        shape = ModelShape(self.adapter.num_layers, self.adapter.num_kv_heads, self.adapter.head_dim)
+        return build_store(parse_tiers(self.config.tiers), self.fingerprint, shape, self.adapter.device,
+                           default_cache_dir() / "chunks")
 
     # ---- chunks -------------------------------------------------------------------------------
     def tokenize(self, text: str) -> torch.Tensor:
@@ -325,9 +324,19 @@ class Engine:
                     decoded += 1
             return StepResult(finished, len(admitted), decoded, mid - start, time.perf_counter() - mid)
 
+    def _refetched(self, prompt: PromptLayout) -> PromptLayout:
+        """`prompt` with every chunk looked up again (a bad entry is dropped and re-encoded)."""
+        return PromptLayout([Segment(s.token_ids, self.chunk(s.chunk.chunk_id)) if s.cached else s
+                             for s in prompt.segments])
+
     def _prefill(self, request: Request, finished: list[Request]) -> None:
         try:
-            result = request.method.prefill(self.context, request.prompt, request.rows)
+            try:
+                result = request.method.prefill(self.context, request.prompt, request.rows)
+            except CorruptChunkError as exc:  # a stored chunk changed under us after it was checked
+                log.warning("request %d: %s; reading its chunks again", request.id, exc)
+                request.prompt = self._refetched(request.prompt)
+                result = request.method.prefill(self.context, request.prompt, request.rows)
         except Exception as exc:  # one request's failure (a corrupt chunk...) never stops the others
             log.warning("request %d failed in prefill: %s", request.id, exc)
             request.error = exc

@@ -16,7 +16,7 @@ from cachetune.chunks.encode import EncodedChunk, chunk_id
 from cachetune.eval.datasets import QAExample
 from cachetune.eval.harness import DOCUMENT_SEPARATOR
 from cachetune.methods.c2kv import encode_c2kv
-from cachetune.store.disk import serialize_chunk
+from cachetune.store.blob import pack
 
 DEFAULT_METHODS = ("full_recompute,c2kv,c2kv:paper,c2kv:step0,c2kv:step0+anchor,keep_every_4th,block_mean_4,kvlink,"
                    "block_attention,full_reuse,cachetune,epic,cacheblend")
@@ -43,9 +43,9 @@ def stored_bytes_per_token(engine, examples: list[QAExample], extractor: str) ->
             kv = [chunk.load_layer(layer, rows) for layer in range(engine.adapter.num_layers)]
             encoded = EncodedChunk(chunk.chunk_id, chunk.token_ids, torch.stack([k for k, _ in kv]),
                                    torch.stack([v for _, v in kv]), chunk.ranking, chunk.scores, chunk.ranker)
-            full += len(serialize_chunk(encoded, engine.fingerprint))
+            full += len(pack(encoded, engine.fingerprint))
             cid = chunk_id(engine.fingerprint, chunk.token_ids, loaded.variant)
-            c2 += len(serialize_chunk(encode_c2kv(engine.context, loaded, chunk, cid), engine.fingerprint))
+            c2 += len(pack(encode_c2kv(engine.context, loaded, chunk, cid), engine.fingerprint))
             tokens += chunk.num_tokens
     return {"document_tokens": tokens, "full_chunk_bytes_per_token": full / tokens,
             "c2kv_bytes_per_token": c2 / tokens, "c2kv_over_full": c2 / full}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -43,14 +44,41 @@ class StoredChunk(ABC):
         without touching the tokens that will be recomputed anyway.
         """
 
+    def encoded(self) -> EncodedChunk:
+        """The whole chunk (every row of every layer, local order): what moves between tiers."""
+        every = torch.arange(int(self.ranking.numel()))
+        pairs = [self.load_layer(layer, every) for layer in range(self.num_layers)]
+        return EncodedChunk(self.chunk_id, self.token_ids, torch.stack([k for k, _ in pairs]),
+                            torch.stack([v for _, v in pairs]), self.ranking, self.scores, self.ranker,
+                            self.positions, self.variant)
+
+    @property
+    @abstractmethod
+    def num_layers(self) -> int: ...
+
 
 class ChunkStore(ABC):
     """Maps chunk ids to stored chunks for one model.
 
     Contract: `get` returns None for an unknown id and raises CorruptChunkError (after removing the
     entry) for one that fails its checks, so a caller can re-encode; it never returns data it could
-    not verify. `put` of an id already present is a no-op (ids are content addresses).
+    not verify. `put` of an id already present is a no-op (ids are content addresses). A store with a
+    byte budget calls `on_evict(stored)` (when set, outside its lock) for every chunk it evicts, before
+    the chunk's data is gone: how a tiered store demotes. `shared` stores (disk, Redis) are seen by
+    other processes.
     """
+
+    shared: bool = False
+    on_evict: Callable[[StoredChunk], None] | None = None
+
+    def put_evicted(self, stored: StoredChunk) -> None:
+        """Take a chunk another tier evicted (a no-op when it is already here)."""
+        try:
+            present = self.get(stored.chunk_id) is not None
+        except CorruptChunkError:
+            present = False
+        if not present:
+            self.put(stored.encoded())
 
     @abstractmethod
     def put(self, chunk: EncodedChunk) -> None: ...

@@ -1,211 +1,264 @@
-"""Disk tier: one safetensors file per chunk, verified before use, written atomically.
+"""Disk tier: one chunk blob (store.blob) per file, verified before use, written atomically, read by
+positioned reads.
 
-Layout on disk: rows of `keys`/`values` ([L, N, Hkv, D]) are stored in ranking order, so the tokens a
-ranked selection recomputes are the first rows and the reuse complement is one contiguous tail that
-can be read alone. The header carries the model fingerprint, the chunk id and a sha256 of the data
-section; a file that fails any check is deleted and reported as CorruptChunkError, never used.
-safetensors holds plain tensors only, so nothing is ever unpickled.
+Nothing is memory-mapped: a file truncated or rewritten under a live store can only make a read come
+up short (a CorruptChunkError), never crash the process. A handle is re-verified whenever the file's
+inode, size or modification time differ from the ones it was verified with. Files are opened without
+following symlinks and must be regular files (a FIFO planted in the folder cannot hang a read).
+Temp files of writers that died mid-write are removed when a store opens the folder.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import logging
 import os
-import re
-import struct
-import tempfile
+import stat
+import threading
+import time
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save
 
-from cachetune.chunks.encode import ENCODING_VERSION, EncodedChunk, chunk_id
-from cachetune.chunks.ranking import ranking_from_scores
+from cachetune.chunks.encode import EncodedChunk
 from cachetune.lru import LRUDict
 from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
+from cachetune.store.blob import FORMAT, ID_PATTERN, BlobMeta, ModelShape, check_id, pack, verify
 
-FORMAT = "cachetune-chunk/3"  # /2 added the ranker name and its scores, /3 compressed rows (positions, variant)
+__all__ = ["FORMAT", "DiskChunk", "DiskStore"]
+log = logging.getLogger(__name__)
 
-
-_ID = re.compile(r"^[0-9a-f]{32}$")
-
-
-def _split(blob: bytes) -> tuple[dict, bytes]:
-    """(header JSON, data section) of a safetensors blob."""
-    (header_len,) = struct.unpack("<Q", blob[:8])
-    return json.loads(blob[8 : 8 + header_len]), blob[8 + header_len :]
+TMP_SUFFIX = ".tmp"
+STALE_TMP_S = 3600.0  # a temp file this old is garbage even if its writer's pid is alive (reused pids)
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-def _digest(header: dict, data: bytes) -> str:
-    """sha256 over every tensor's dtype, shape and offsets plus the data section: all but the metadata."""
-    layout = {name: spec for name, spec in header.items() if name != "__metadata__"}
-    h = hashlib.sha256(json.dumps(layout, sort_keys=True).encode())
-    h.update(data)
-    return h.hexdigest()
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def serialize_chunk(chunk: EncodedChunk, fingerprint: str) -> bytes:
-    order = chunk.ranking
-    tensors = {
-        "token_ids": chunk.token_ids.to(torch.int64).contiguous(),
-        "ranking": order.to(torch.int64).contiguous(),
-        "scores": chunk.scores.to(torch.float32).contiguous(),
-        "keys": chunk.keys.index_select(1, order).contiguous(),
-        "values": chunk.values.index_select(1, order).contiguous(),
-    }
-    if chunk.positions is not None:
-        tensors["positions"] = chunk.positions.to(torch.int64).contiguous()
-    meta = {"format": FORMAT, "chunk_id": chunk.chunk_id, "fingerprint": fingerprint, "encoding": ENCODING_VERSION,
-            "ranker": chunk.ranker, "variant": chunk.variant}
-    # Tensor layout and data do not change when the metadata gains the checksum, so hash them first.
-    digest = _digest(*_split(save(tensors, metadata=meta)))
-    return save(tensors, metadata={**meta, "sha256": digest})
-
-
-def _check_layout(path: Path, header: dict) -> None:
-    """The tensors exist with the dtypes and mutually consistent shapes a chunk must have: R rows
-    (the token count N, or the length of `positions` for compressed rows) of ranking, scores and K/V."""
-    try:
-        ids, ranking, scores, keys, values = (header[n] for n in ("token_ids", "ranking", "scores", "keys", "values"))
-    except KeyError as exc:
-        raise CorruptChunkError(f"{path}: missing tensor {exc}") from None
-    positions = header.get("positions")
-    rows = ids["shape"] if positions is None else positions["shape"]
-    ok = (
-        ids["dtype"] == ranking["dtype"] == "I64"
-        and len(ids["shape"]) == 1
-        and (positions is None or (positions["dtype"] == "I64" and len(rows) == 1))
-        and ranking["shape"] == rows
-        and scores["dtype"] == "F32"
-        and scores["shape"] == rows
-        and keys["shape"] == values["shape"]
-        and keys["dtype"] == values["dtype"]
-        and keys["dtype"] in ("F32", "BF16", "F16")
-        and len(keys["shape"]) == 4
-        and keys["shape"][1] == rows[0]
-    )
-    if not ok:
-        raise CorruptChunkError(f"{path}: tensor layout is not a chunk's")
+def read_exact(fd: int, offset: int, out: torch.Tensor) -> None:
+    """Fill contiguous CPU tensor `out` with the file's bytes at `offset` (a short read is corruption)."""
+    view = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise CorruptChunkError(f"truncated: {len(view) - done} bytes missing at offset {offset + done}")
+        done += n
 
 
 class DiskChunk(StoredChunk):
-    def __init__(self, path: Path, meta: dict, token_ids: torch.Tensor, ranking: torch.Tensor, scores: torch.Tensor,
-                 positions: torch.Tensor | None):
-        self.path = path
-        self.chunk_id = meta["chunk_id"]
-        self.ranker = meta["ranker"]
-        self.variant = meta["variant"]
-        self.positions = positions
-        self.token_ids = token_ids
-        self.ranking = ranking
-        self.scores = scores
-        self._rank_of = torch.empty_like(ranking)
-        self._rank_of[ranking] = torch.arange(ranking.numel())
-        self._file = safe_open(str(path), framework="pt")
+    """A verified chunk file, held open (one descriptor, no mapping) for positioned reads of its rows."""
+
+    def __init__(self, path: Path, fd: int, identity: tuple, meta: BlobMeta):
+        self.path, self._fd, self.identity, self.layout = path, fd, identity, meta.layout
+        self.chunk_id = meta.chunk_id
+        self.token_ids, self.ranking, self.scores = meta.token_ids, meta.ranking, meta.scores
+        self.ranker, self.variant, self.positions = meta.ranker, meta.variant, meta.positions
+        self._rank_of = torch.empty_like(self.ranking)
+        self._rank_of[self.ranking] = torch.arange(self.ranking.numel())
+
+    @property
+    def num_layers(self) -> int:
+        return self.layout.layers
+
+    def read_rows(self, layer: int, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rank rows [lo, hi) of `layer` as [hi - lo, 2, Hkv, D] (into `out` when given): one read."""
+        offset, _ = self.layout.span(layer, lo, hi)
+        lay = self.layout
+        out = torch.empty(hi - lo, 2, lay.kv_heads, lay.head_dim, dtype=lay.dtype) if out is None else out
+        read_exact(self._fd, offset, out)
+        return out
 
     def load_layer(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self._rank_of[indices.cpu()]
-        if rows.numel() == 0:
-            lo, hi = 0, 0
-        else:
-            lo, hi = int(rows.min()), int(rows.max()) + 1
-        # Read only the covering row range of this layer (the whole request for a ranked complement).
-        k = self._file.get_slice("keys")[layer : layer + 1, lo:hi][0]
-        v = self._file.get_slice("values")[layer : layer + 1, lo:hi][0]
-        local = rows - lo
-        return k.index_select(0, local), v.index_select(0, local)
+        lo, hi = (int(rows.min()), int(rows.max()) + 1) if rows.numel() else (0, 0)
+        # Only the covering rank range is read: the whole request for a ranked complement.
+        kv = self.read_rows(layer, lo, hi).index_select(0, rows - lo)
+        return kv[:, 0], kv[:, 1]
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class DiskStore(ChunkStore):
     """Chunks under `root/<fingerprint prefix>/`, so several models can share one directory.
 
-    Verified handles (each holds its file open) are kept for the `max_open` most recently used chunks;
-    a chunk past that is verified again on its next use."""
+    At most `max_bytes` of files (None: no budget), least recently used evicted first; the recency
+    of files found when the store opens is their modification time. Verified handles are kept for
+    the `max_open` most recently used chunks (one file descriptor each); a chunk past that is
+    verified again on its next use. `shape` (layers, KV heads, head size) is checked against every
+    file when given."""
 
-    def __init__(self, root: str | Path, fingerprint: str, max_open: int = 1024):
-        self.fingerprint = fingerprint
+    shared = True
+
+    def __init__(self, root: str | Path, fingerprint: str, max_open: int = 256, shape: ModelShape | None = None,
+                 max_bytes: int | None = None):
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+            raise ValueError(f"max_bytes must be a positive integer or None, got {max_bytes!r}")
+        self.fingerprint, self.shape, self.max_bytes = fingerprint, shape, max_bytes
         self.root = Path(root) / fingerprint[:16]
         self.root.mkdir(parents=True, exist_ok=True)
         self._verified: LRUDict[str, DiskChunk] = LRUDict(max_open)
+        self._lock = threading.Lock()
+        self.removed_temp_files = self._remove_stale_temp_files()
+        self._sizes: OrderedDict[str, int] = OrderedDict(self._scan())  # chunk id -> bytes, oldest first
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the chunk files this store knows of."""
+        return sum(self._sizes.values())
+
+    def _scan(self) -> list[tuple[str, int]]:
+        found = []
+        for path in self.root.glob("*.safetensors"):
+            try:
+                st = path.lstat()
+            except FileNotFoundError:
+                continue
+            if ID_PATTERN.fullmatch(path.stem) and stat.S_ISREG(st.st_mode):
+                found.append((st.st_mtime_ns, path.stem, st.st_size))
+        return [(cid, size) for _, cid, size in sorted(found)]
 
     def path(self, chunk_id: str) -> Path:
-        if not _ID.match(chunk_id):  # ids are content addresses; anything else could escape the folder
-            raise ValueError(f"malformed chunk id {chunk_id!r}")
-        return self.root / f"{chunk_id}.safetensors"
+        return self.root / f"{check_id(chunk_id)}.safetensors"
+
+    def _remove_stale_temp_files(self) -> int:
+        """Delete temp files whose writer is gone (pid not alive on this host) or that are old."""
+        removed = 0
+        for tmp in self.root.glob(f"*{TMP_SUFFIX}"):
+            parts = tmp.name.split(".")
+            pid = int(parts[1]) if len(parts) == 4 and parts[1].isdigit() else None
+            try:
+                old = time.time() - tmp.lstat().st_mtime > STALE_TMP_S
+            except FileNotFoundError:
+                continue
+            if pid is None or old or not _alive(pid):
+                tmp.unlink(missing_ok=True)
+                removed += 1
+        return removed
 
     def put(self, chunk: EncodedChunk) -> None:
         target = self.path(chunk.chunk_id)
         if target.exists():
+            with self._lock:
+                if chunk.chunk_id in self._sizes:
+                    self._sizes.move_to_end(chunk.chunk_id)
             return
-        blob = serialize_chunk(chunk, self.fingerprint)
-        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
+        blob = pack(chunk, self.fingerprint)
+        self._write(target, chunk.chunk_id, blob)
+        evicted = []
+        with self._lock:
+            self._sizes[chunk.chunk_id] = len(blob)
+            self._sizes.move_to_end(chunk.chunk_id)
+            total = self.nbytes
+            while self.max_bytes is not None and len(self._sizes) > 1 and total > self.max_bytes:
+                cid, size = self._sizes.popitem(last=False)
+                evicted.append(cid)
+                total -= size
+        for cid in evicted:
+            self._evict(cid)
+
+    def _evict(self, chunk_id: str) -> None:
+        if self.on_evict is not None:
+            try:
+                stored = self.get(chunk_id)
+            except CorruptChunkError:
+                stored = None
+            if stored is not None:
+                self.on_evict(stored)
+        self.remove(chunk_id)
+
+    def _write(self, target: Path, chunk_id: str, blob: bytes) -> None:
+        tmp = self.root / f"{chunk_id}.{os.getpid()}.{time.monotonic_ns()}{TMP_SUFFIX}"
         try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, target)  # atomic: readers see the old state or the whole new file
+            os.replace(tmp, target)  # atomic: readers see no file or the whole new one
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise
 
     def get(self, chunk_id: str) -> DiskChunk | None:
-        cached = self._verified.get(chunk_id)
-        if cached is not None and cached.path.exists():
-            return cached
         path = self.path(chunk_id)
-        if not path.exists():
-            return None
         try:
-            stored = self._verify(path, chunk_id)
+            now = _identity(os.stat(path, follow_symlinks=False))
+        except FileNotFoundError:
+            self._verified.pop(chunk_id, None)
+            with self._lock:
+                self._sizes.pop(chunk_id, None)
+            return None
+        with self._lock:
+            if chunk_id in self._sizes:
+                self._sizes.move_to_end(chunk_id)
+            else:  # written by another process sharing the folder
+                self._sizes[chunk_id] = now[2]
+        cached = self._verified.get(chunk_id)
+        if cached is not None and cached.identity == now:
+            return cached
+        self._verified.pop(chunk_id, None)  # changed since it was verified (or never was)
+        try:
+            stored = self._open_verified(path, chunk_id)
         except CorruptChunkError:
-            path.unlink(missing_ok=True)
+            _discard(path)
+            with self._lock:
+                self._sizes.pop(chunk_id, None)
             raise
         self._verified.put(chunk_id, stored)
         return stored
 
-    def _verify(self, path: Path, expected_id: str) -> DiskChunk:
-        """Full check: header, checksum, model fingerprint, content address and tensor shapes.
-
-        It runs on the first `get` of an id in this store instance; later gets reuse the verified
-        handle (re-hashing on every request would cost more than the sparse load it precedes). A file
-        rewritten behind a live store is not re-checked until the store is reopened.
-        """
-        blob = path.read_bytes()
+    def _open_verified(self, path: Path, expected_id: str) -> DiskChunk:
+        """Open (regular files only, no symlink), read whole, check everything (store.blob.verify)."""
         try:
-            header, data = _split(blob)
-            meta = header["__metadata__"]
-        except Exception as exc:  # any parse failure means the file is not ours or is truncated
-            raise CorruptChunkError(f"{path}: unreadable header ({exc})") from None
-        if meta.get("format") != FORMAT or meta.get("encoding") != ENCODING_VERSION:
-            raise CorruptChunkError(f"{path}: format {meta.get('format')!r}/{meta.get('encoding')!r} not supported")
-        if meta.get("fingerprint") != self.fingerprint:
-            raise CorruptChunkError(f"{path}: encoded by another model (fingerprint mismatch)")
-        if _digest(header, data) != meta.get("sha256"):
-            raise CorruptChunkError(f"{path}: checksum mismatch")
-        _check_layout(path, header)
-        with safe_open(str(path), framework="pt") as f:
-            token_ids, ranking, scores = (f.get_tensor(n) for n in ("token_ids", "ranking", "scores"))
-            positions = f.get_tensor("positions") if "positions" in header else None
-        variant = meta.get("variant")
-        if not isinstance(variant, str):
-            raise CorruptChunkError(f"{path}: no variant in the metadata")
-        if meta.get("chunk_id") != expected_id or chunk_id(self.fingerprint, token_ids, variant) != expected_id:
-            raise CorruptChunkError(f"{path}: content does not match chunk id {expected_id}")
-        if positions is not None and positions.numel() and (
-            int(positions[0]) < 0 or int(positions[-1]) >= token_ids.numel() or bool((positions.diff() <= 0).any())
-        ):
-            raise CorruptChunkError(f"{path}: row positions are not increasing positions of the chunk's tokens")
-        if not torch.equal(ranking.sort().values, torch.arange(ranking.numel())):
-            raise CorruptChunkError(f"{path}: ranking is not a permutation of the chunk's tokens")
-        if not torch.equal(ranking_from_scores(scores), ranking):
-            raise CorruptChunkError(f"{path}: ranking does not follow the stored scores")
-        if not isinstance(meta.get("ranker"), str):
-            raise CorruptChunkError(f"{path}: no ranker name in the metadata")
-        return DiskChunk(path, meta, token_ids, ranking, scores, positions)
+            fd = os.open(path, _OPEN_FLAGS)
+        except OSError as exc:  # a symlink (ELOOP), vanished, unreadable
+            raise CorruptChunkError(f"{path}: cannot open as a chunk file ({exc.strerror})") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptChunkError(f"{path}: not a regular file")
+            blob = bytearray(st.st_size)
+            n = os.preadv(fd, [blob], 0) if st.st_size else 0
+            if n != st.st_size:
+                raise CorruptChunkError(f"{path}: short read ({n} of {st.st_size} bytes)")
+            try:
+                meta = verify(bytes(blob), self.fingerprint, expected_id, self.shape)
+            except CorruptChunkError as exc:
+                raise CorruptChunkError(f"{path}: {exc}") from None
+            return DiskChunk(path, fd, _identity(st), meta)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def remove(self, chunk_id: str) -> None:
-        self._verified.pop(chunk_id, None)
+        self._verified.pop(chunk_id, None)  # a request still reading it keeps its descriptor until done
+        with self._lock:
+            self._sizes.pop(chunk_id, None)
         self.path(chunk_id).unlink(missing_ok=True)
+
+
+def _discard(path: Path) -> None:
+    """Delete a bad entry; what cannot be deleted (a planted directory) is left and refused again."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("cannot remove bad chunk entry %s: %s", path, exc.strerror)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
