@@ -409,3 +409,14 @@ def _restore_grad_mode():
     enabled = torch.is_grad_enabled()
     yield
     torch.set_grad_enabled(enabled)
+
+
+def run_in_threads(target, args: list) -> None:
+    """Run target(a) for every a in `args`, each in its own thread, all at once; wait for all."""
+    import threading
+
+    threads = [threading.Thread(target=target, args=(a,)) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()

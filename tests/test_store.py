@@ -21,6 +21,7 @@ from cachetune.store.base import CorruptChunkError
 from cachetune.store.blob import ModelShape
 from cachetune.store.disk import FORMAT, DiskStore
 from cachetune.store.memory import MemoryStore
+from conftest import run_in_threads
 
 L, HKV, D = 3, 2, 8
 FP = "0123456789abcdef" + "1" * 48
@@ -593,11 +594,7 @@ def test_the_memory_budget_holds_under_threads() -> None:
         except Exception as exc:  # noqa: BLE001 - any exception is the failure under test
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(t * 5,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(worker, [t * 5 for t in range(4)])
     assert errors == [] and peak[0] <= budget and store.nbytes <= budget
 
 

@@ -3,7 +3,6 @@ through, a corrupt entry anywhere is never used, and the chain is safe under thr
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from cachetune.store.blob import pack
 from cachetune.store.disk import DiskStore
 from cachetune.store.memory import MemoryStore
 from cachetune.store.tiered import TieredStore
+from conftest import run_in_threads
 from test_store import FP, L, chunk_nbytes, make_chunk
 
 
@@ -125,11 +125,7 @@ def test_the_chain_is_safe_under_threads(tmp_path) -> None:
         except Exception as exc:  # noqa: BLE001 - any exception is the failure under test
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(t * 4,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(worker, [t * 4 for t in range(4)])
     assert errors == []
     for ch in chunks:  # everything is still there, intact, somewhere in the chain
         assert_same_rows(store.get(ch.chunk_id), ch)
