@@ -52,12 +52,14 @@ class DiskChunk(StoredChunk):
     """A verified chunk file, held open (one descriptor, no mapping) for positioned reads of its rows."""
 
     def __init__(self, path: Path, fd: int, identity: tuple, meta: BlobMeta):
-        self.path, self._fd, self.identity, self.layout = path, fd, identity, meta.layout
+        self._fd = -1  # owned only once construction has succeeded (the opener closes it otherwise)
+        self.path, self.identity, self.layout = path, identity, meta.layout
         self.chunk_id = meta.chunk_id
         self.token_ids, self.ranking, self.scores = meta.token_ids, meta.ranking, meta.scores
         self.ranker, self.variant, self.positions = meta.ranker, meta.variant, meta.positions
         self._rank_of = torch.empty_like(self.ranking)
         self._rank_of[self.ranking] = torch.arange(self.ranking.numel())
+        self._fd = fd
 
     @property
     def num_layers(self) -> int:
