@@ -1,7 +1,8 @@
 """CPU-RAM (or GPU-memory) tier: chunks kept as tensors, least recently used evicted past a byte budget.
 
 Safe to use from several threads: one lock guards the index and the byte count, so the budget holds
-at every moment (a chunk is admitted only after enough older ones are out)."""
+at every moment (a chunk is admitted only after enough older ones are out; one chunk larger than the
+whole budget is kept alone)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ from collections import OrderedDict
 
 import torch
 
-from cachetune.config import MEMORY_TIER_BYTES
-
 from cachetune.chunks.encode import EncodedChunk
+from cachetune.config import MEMORY_TIER_BYTES
 from cachetune.store.base import ChunkStore, StoredChunk
 
 
