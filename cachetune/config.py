@@ -58,7 +58,10 @@ def parse_tiers(text: str) -> list[TierSpec]:
         if kind in ("gpu", "cpu"):
             tiers.append(TierSpec(kind, byte_size(rest) if rest else MEMORY_TIER_BYTES))
             continue
-        path, _, size = rest.rpartition(":") if _SIZE.match(rest.rpartition(":")[2]) and ":" in rest else (rest, "", "")
+        head, _, tail = rest.rpartition(":")  # a trailing ":SIZE" is the budget; the rest is the folder
+        path, size = (head, tail) if head or rest.startswith(":") else (rest, "")
+        if size and not _SIZE.match(size):
+            path, size = rest, ""
         tiers.append(TierSpec(kind, byte_size(size) if size else DISK_TIER_BYTES, path or None))
     ranks = [TIER_ORDER.index(t.kind) for t in tiers]
     if ranks != sorted(ranks):

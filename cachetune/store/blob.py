@@ -72,11 +72,6 @@ class BlobLayout:
             raise IndexError(f"rows [{lo}, {hi}) of layer {layer} outside [0, {self.rows}) x {self.layers} layers")
         return self.kv_start + (layer * self.rows + lo) * self.row_bytes, (hi - lo) * self.row_bytes
 
-    def rows_from(self, buffer) -> torch.Tensor:
-        """View bytes of whole rows as [rows, 2, Hkv, D] (keys at [:, 0], values at [:, 1])."""
-        flat = torch.frombuffer(buffer, dtype=self.dtype) if len(buffer) else torch.empty(0, dtype=self.dtype)
-        return flat.view(-1, 2, self.kv_heads, self.head_dim)
-
 
 @dataclass(frozen=True)
 class BlobMeta:
@@ -219,14 +214,3 @@ def verify(blob: bytes, fingerprint: str, expected_id: str, shape: ModelShape | 
         raise CorruptChunkError("ranking does not follow the stored scores")
     layout = BlobLayout(8 + header_length(blob) + kv_begin, rows, layers, kv_heads, head_dim, DTYPES[kv_dtype])
     return BlobMeta(expected_id, token_ids, ranking, scores, positions, meta["ranker"], meta["variant"], layout)
-
-
-def unpack(blob: bytes, meta: BlobMeta) -> EncodedChunk:
-    """The EncodedChunk of a verified blob (rows back in local order), e.g. to promote it to memory."""
-    lay = meta.layout
-    start, length = lay.span(0, 0, 0)[0], lay.layers * lay.rows * lay.row_bytes
-    kv = lay.rows_from(bytearray(blob[start : start + length])).view(lay.layers, lay.rows, 2, lay.kv_heads,
-                                                                     lay.head_dim)
-    local = torch.empty_like(kv).index_copy_(1, meta.ranking, kv)  # rank row i -> local row ranking[i]
-    return EncodedChunk(meta.chunk_id, meta.token_ids, local[:, :, 0].contiguous(), local[:, :, 1].contiguous(),
-                        meta.ranking, meta.scores, meta.ranker, meta.positions, meta.variant)

@@ -233,7 +233,7 @@ class DiskStore(ChunkStore):
             if n != st.st_size:
                 raise CorruptChunkError(f"{path}: short read ({n} of {st.st_size} bytes)")
             try:
-                meta = verify(bytes(blob), self.fingerprint, expected_id, self.shape)
+                meta = verify(blob, self.fingerprint, expected_id, self.shape)
             except CorruptChunkError as exc:
                 raise CorruptChunkError(f"{path}: {exc}") from None
             return DiskChunk(path, fd, _identity(st), meta)
