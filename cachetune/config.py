@@ -23,7 +23,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 GiB = 2**30
 MEMORY_TIER_BYTES = 4 * GiB  # a memory tier's budget when none is given
 DISK_TIER_BYTES = 32 * GiB   # a disk tier's budget when none is given
-TIER_ORDER = ("gpu", "cpu", "disk")  # tier kinds, fastest first
+TIER_ORDER = ("gpu", "cpu", "disk", "redis")  # tier kinds, fastest first
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(|B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -39,20 +39,28 @@ def byte_size(text: str) -> int:
 
 @dataclass(frozen=True)
 class TierSpec:
-    """One tier of the chunk store: `kind` (TIER_ORDER), a byte budget and, for disk, its folder
-    (None: <cache dir>/chunks)."""
+    """One tier of the chunk store: `kind` (TIER_ORDER), a byte budget (None for redis: the server's
+    maxmemory) and, for disk, its folder (None: <cache dir>/chunks), for redis its URL."""
 
     kind: str
-    max_bytes: int
+    max_bytes: int | None
     path: str | None = None
 
 
 def parse_tiers(text: str) -> list[TierSpec]:
-    """'gpu:2GiB,cpu:4GiB,disk:/path:100GiB' -> tiers fastest first. `cpu`/`gpu` alone take
-    MEMORY_TIER_BYTES, a disk without a size DISK_TIER_BYTES; `disk` alone is the cache dir."""
+    """'gpu:2GiB,cpu:4GiB,disk:/path:100GiB,redis://host:6379' -> tiers fastest first. `cpu`/`gpu`
+    alone take MEMORY_TIER_BYTES, a disk without a size DISK_TIER_BYTES; `disk` alone is the cache
+    dir; a redis tier is its URL (redis:// or rediss://), its budget the server's own."""
     tiers = []
     for item in (part.strip() for part in text.split(",")):
+        if item.startswith(("redis://", "rediss://")):
+            if not item.split("://", 1)[1]:
+                raise ValueError(f"tier {item!r}: a redis tier needs a host, e.g. redis://127.0.0.1:6379")
+            tiers.append(TierSpec("redis", None, item))
+            continue
         kind, _, rest = item.partition(":")
+        if kind == "redis":
+            raise ValueError(f"tier {item!r}: a redis tier is a URL, e.g. redis://127.0.0.1:6379")
         if kind not in TIER_ORDER:
             raise ValueError(f"tier {item!r}: kind must be one of {', '.join(TIER_ORDER)}")
         if kind in ("gpu", "cpu"):
@@ -66,7 +74,7 @@ def parse_tiers(text: str) -> list[TierSpec]:
     ranks = [TIER_ORDER.index(t.kind) for t in tiers]
     if ranks != sorted(ranks):
         raise ValueError(f"tiers {text!r} must go fastest first ({' > '.join(TIER_ORDER)})")
-    if len([t for t in tiers if t.kind != "disk"]) != len({t.kind for t in tiers if t.kind != "disk"}):
+    if len([t for t in tiers if t.kind in ("gpu", "cpu")]) != len({t.kind for t in tiers if t.kind in ("gpu", "cpu")}):
         raise ValueError(f"tiers {text!r}: at most one gpu and one cpu tier")
     return tiers
 

@@ -420,3 +420,70 @@ def run_in_threads(target, args: list) -> None:
         t.start()
     for t in threads:
         t.join()
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port, owned by one test (which may stop and restart it)."""
+
+    def __init__(self, binary: str, tmp: Path):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.binary, self.tmp, self.proc = binary, tmp, None
+        self.url = f"redis://127.0.0.1:{self.port}"
+        self.start()
+
+    def start(self) -> None:
+        import subprocess
+        import time
+
+        import redis
+
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+        for _ in range(200):
+            try:
+                if client.ping():
+                    return
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def client(self):
+        import redis
+
+        return redis.Redis(port=self.port)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A fresh real redis-server for this test. Skipped when the binary is missing, unless
+    CACHETUNE_REQUIRE_REDIS is set (CI installs it: a missing server fails there)."""
+    import shutil
+
+    binary = shutil.which("redis-server") or shutil.which("valkey-server")
+    if binary is None:
+        if os.environ.get("CACHETUNE_REQUIRE_REDIS"):
+            pytest.fail("redis-server is required (CACHETUNE_REQUIRE_REDIS) but not installed")
+        pytest.skip("redis-server is not installed (apt install redis-server)")
+    server = RedisServer(binary, tmp_path)
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def redis_url(request, tmp_path):
+    """A running Redis for tests that leave it running: CI's (CACHETUNE_TEST_REDIS), else a fresh one."""
+    url = os.environ.get("CACHETUNE_TEST_REDIS")
+    return url if url else request.getfixturevalue("redis_server").url

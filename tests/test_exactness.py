@@ -12,6 +12,7 @@ import torch
 
 from cachetune.runtime.decode import SamplingConfig, extend, generate_tokens
 from cachetune.methods.prefill import full_prefill, selective_prefill
+from cachetune.runtime.loading import Pipeline
 from conftest import (
     hf_cache_from_rows,
     all_selected,
@@ -184,7 +185,7 @@ def test_partial_selection_matches_hf_reference(llama, pieces, ratio, seed, pref
     layout, _ = build_layout(adapter, parts)
     selections = random_selected(layout, ratio, seed)
     ref_logits, ks, vs = hf_partial_reference(model, parts, selections)
-    res = selective_prefill(adapter, layout, selections, layout.total, prefetch=prefetch)
+    res = selective_prefill(adapter, layout, selections, layout.total, pipeline=Pipeline(overlap=prefetch))
     assert_close(ref_logits, res.logits, TOL, "logits")
     assert_cache_matches(res, ks, vs, what=f"r={ratio}")
     assert res.recomputed_chunk_tokens == sum(s.numel() for s in selections)

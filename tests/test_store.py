@@ -115,13 +115,28 @@ def test_memory_store_put_of_present_id_is_a_no_op_that_refreshes_recency() -> N
     assert store.get(a.chunk_id) is not None and store.get(c.chunk_id) is not None
 
 
-def test_memory_store_keeps_a_single_chunk_larger_than_the_budget() -> None:
+def test_memory_store_does_not_keep_a_chunk_larger_than_the_whole_tier() -> None:
     a, b = make_chunk(seed=1), make_chunk(seed=2, n=200)
     store = MemoryStore(max_bytes=chunk_nbytes(a))
     store.put(a)
-    store.put(b)  # alone over budget: the older one is evicted, the new one stays
+    store.put(b)  # could never fit: nothing is evicted for it, and it is not kept
+    assert store.get(b.chunk_id) is None
+    assert store.get(a.chunk_id) is not None and store.nbytes <= store.max_bytes
+
+
+def test_an_evicted_chunk_still_being_read_keeps_its_rows() -> None:
+    a, b = make_chunk(seed=1), make_chunk(seed=2)
+    store = MemoryStore(max_bytes=chunk_nbytes(a))  # room for one
+    store.put(a)
+    held = store.get(a.chunk_id)  # a request is reading it
+    store.put(b)  # evicts a, but its rows are still in use: b cannot take them
+    k, v = held.load_layer(1, torch.arange(a.num_tokens))
+    assert torch.equal(k, a.keys[1]) and torch.equal(v, a.values[1])
     assert store.get(a.chunk_id) is None
-    assert store.get(b.chunk_id) is not None
+    del held, k, v  # the request ends: the rows are free again
+    store.put(b)
+    got = store.get(b.chunk_id)
+    assert got is not None and torch.equal(got.load_layer(0, torch.arange(b.num_tokens))[0], b.keys[0])
 
 
 def test_memory_store_remove_frees_budget() -> None:

@@ -17,6 +17,8 @@ class Prefix(Protocol):
     token_ids: torch.Tensor
     rows: torch.Tensor
 
+    def begin(self, rotate) -> bool: ...
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 

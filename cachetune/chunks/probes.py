@@ -56,6 +56,9 @@ class Probe:
     def rows(self) -> torch.Tensor:  # ReusedKV protocol: the probe fills rows 0..P-1
         return torch.arange(self.token_ids.numel(), device=self.keys.device)
 
+    def begin(self, rotate) -> bool:  # ReusedKV protocol: pre-RoPE keys, the forward rotates them
+        return False
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[index], self.values[index]
 

@@ -44,7 +44,8 @@ from cachetune.model.loader import LoadedModel, default_cache_dir, load_model, m
 from cachetune.runtime.decode import SamplingConfig, sample
 from cachetune.runtime.forward import decode_step
 from cachetune.runtime.kv_cache import kv_bytes_per_row
-from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
+from cachetune.runtime.loading import Pipeline
+from cachetune.store.base import ChunkStore, CorruptChunkError, LocalChunk, StoredChunk
 from cachetune.store.blob import ModelShape
 from cachetune.store.tiered import build_store
 
@@ -83,11 +84,12 @@ class Engine:
         self.vocab_size = self.adapter.backbone.embed_tokens.num_embeddings
         self.max_context = getattr(self.model.config, "max_position_embeddings", None)
         self.store = store or self._default_store()
+        self.chunks_encoded = 0  # chunks this engine ran through the model (a chunk found in the store is not)
         self.rankings = ChunkRankings(self.adapter, config.ranking, config.alpha, self._ranking_context,
                                       config.tracked_chunks)
         self.prefix_cache = PrefixCache(max_blocks=config.prefix_blocks)
         self.extractors = ExtractorBank(self.adapter, weights_identity(self.model), self.fingerprint, self.eos_id())
-        self.context = MethodContext(self.adapter, self.rankings, self.prefix_cache, config.prefetch, self.store,
+        self.context = MethodContext(self.adapter, self.rankings, self.prefix_cache, Pipeline(overlap=config.prefetch), self.store,
                                      self.extractors)
         self._tokens: LRUDict[str, torch.Tensor] = LRUDict(config.tracked_chunks)  # to re-encode a lost chunk
         self.kv_bytes_per_row = kv_bytes_per_row(self.adapter.num_layers, self.adapter.num_kv_heads,
@@ -174,13 +176,16 @@ class Engine:
             stored = self._lookup(cid)
             tokens = self._tokens.get(cid)
             if stored is None and tokens is not None:
-                self.store.put(self._encode(tokens))
-                stored = self.store.get(cid)
+                encoded = self._encode(tokens)
+                self.store.put(encoded)
+                # No tier could take it (all full of chunks in use, a shared tier down): use it as is.
+                stored = self._lookup(cid) or LocalChunk(encoded)
             if stored is None:
                 raise KeyError(f"chunk {cid} is not in the store; cache its text with cache_chunk() first")
             return stored
 
     def _encode(self, token_ids: torch.Tensor):
+        self.chunks_encoded += 1
         ranker = self.rankings.ranker()
         context = self.rankings.context() if ranker.needs_model else None
         return encode_chunk(self.adapter, token_ids, self.fingerprint, ranker, context)

@@ -16,6 +16,7 @@ from cachetune.errors import CachetuneError
 from cachetune.methods.layout import PromptLayout, Segment
 from cachetune.methods.prefill import full_prefill, selective_prefill
 from cachetune.model.adapter import ModelAdapter
+from cachetune.runtime.loading import Pipeline
 from cachetune.store.memory import MemoryStore
 
 # Relative tolerance on the logits (max abs diff / max abs logit) per dtype.
@@ -51,7 +52,7 @@ def run_self_check(adapter: ModelAdapter, fingerprint: str, vocab_size: int) -> 
     worst = 0.0
     for i, (layout, selections) in enumerate(cases):
         ref = full_prefill(adapter, layout, layout.total).logits
-        got = selective_prefill(adapter, layout, selections, layout.total, prefetch=False).logits
+        got = selective_prefill(adapter, layout, selections, layout.total, pipeline=Pipeline(overlap=False)).logits
         err = _relative_error(ref, got)
         worst = max(worst, err)
         if not err <= tol:  # also catches NaN

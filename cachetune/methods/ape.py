@@ -30,7 +30,7 @@ from cachetune.methods.prefill import Prefill
 from cachetune.model.adapter import ModelAdapter
 from cachetune.runtime.forward import forward_active
 from cachetune.runtime.kv_cache import KVCache
-from cachetune.runtime.loading import LayerLoader
+from cachetune.runtime.loading import LayerLoader, Pipeline
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class APEAttention:
 
 @torch.no_grad()
 def ape_prefill(adapter: ModelAdapter, layout: PromptLayout, capacity: int, cfg: APESettings | None = None,
-                prefetch: bool = True) -> Prefill:
+                pipeline: Pipeline = Pipeline()) -> Prefill:
     """Prefix, then every cached chunk in parallel from the same position, then the question."""
     cfg = cfg or APESettings()
     segs = layout.segments
@@ -114,7 +114,7 @@ def ape_prefill(adapter: ModelAdapter, layout: PromptLayout, capacity: int, cfg:
     rows = torch.cat([torch.arange(prefix), torch.arange(q_start, layout.total)]).to(device)
     ids = layout.input_ids.to(device)[rows]
     attention = APEAttention(adapter, is_context.to(device), cfg)
-    with LayerLoader(parts, adapter.num_layers, device, adapter.dtype, prefetch) as loader:
+    with LayerLoader(parts, adapter.kv_shape, device, adapter.dtype, pipeline) as loader:
         hidden = forward_active(adapter, adapter.embed(ids), rows, cache, reused=loader, last_only=True,
                                 attention=attention)
     logits = adapter.logits(hidden[-1:])[0]
@@ -127,7 +127,7 @@ class APE(Method):
         self.settings = settings
 
     def prefill(self, ctx: MethodContext, layout: PromptLayout, capacity: int) -> Prefill:
-        return ape_prefill(ctx.adapter, layout, capacity, self.settings, ctx.prefetch)
+        return ape_prefill(ctx.adapter, layout, capacity, self.settings, ctx.pipeline)
 
 
 register("ape", APESettings, summary="nothing; chunks in parallel positions, attention temperature and scale")(APE)

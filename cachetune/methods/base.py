@@ -30,6 +30,7 @@ from cachetune.methods.prefill import Prefill
 from cachetune.methods.prefix_cache import PrefixCache
 from cachetune.model.adapter import ModelAdapter
 from cachetune.runtime.kv_cache import KVCache
+from cachetune.runtime.loading import Pipeline
 from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
 
 
@@ -48,7 +49,7 @@ class MethodContext:
     adapter: ModelAdapter
     rankings: RankingSource
     prefix_cache: PrefixCache
-    prefetch: bool = True  # load layer l+1's reused KV while layer l computes
+    pipeline: Pipeline = Pipeline()  # how reused KV is loaded (overlap, sparse reads, deferred RoPE)
     store: ChunkStore | None = None          # where derived chunk KV (C2KV rows, ...) is kept with the rest
     extractors: ExtractorBank | None = None  # trained add-ons by name (C2KV, KVLink, Block-Attention)
 

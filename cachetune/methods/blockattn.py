@@ -50,7 +50,7 @@ class BlockAttentionMethod(TrainedMethod):
         adapter = self.loaded(ctx).tokens.adapter
         own = PromptLayout([Segment(s.token_ids, self.rows(ctx, s.chunk)) if s.cached else s for s in layout.segments])
         none = [torch.empty(0, dtype=torch.int64) for _ in own.chunk_segments]
-        result = selective_prefill(adapter, own, none, capacity, ctx.prefetch)
+        result = selective_prefill(adapter, own, none, capacity, ctx.pipeline)
         result.adapter = adapter  # its decoding runs on the fine-tuned model too
         return result
 

@@ -74,7 +74,7 @@ class C2KVMethod(TrainedMethod):
             stored = self.rows(ctx, seg.chunk)
             return stored, stored.row_positions
 
-        return compressed_prefill(ctx.adapter, layout, capacity, rows_of, ctx.prefetch)
+        return compressed_prefill(ctx.adapter, layout, capacity, rows_of, ctx.pipeline)
 
 
 @register("c2kv", C2KVSettings, suffix="extractor",

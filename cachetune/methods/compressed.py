@@ -20,6 +20,7 @@ from cachetune.c2kv.extractor import block_ends
 from cachetune.methods.base import Method, MethodContext, check_int, register
 from cachetune.methods.layout import PromptLayout, Segment
 from cachetune.methods.prefill import Prefill, compressed_prefill
+from cachetune.runtime.loading import Pipeline
 from cachetune.store.base import StoredChunk
 
 
@@ -61,17 +62,17 @@ class CompressedChunks(Method):
         return compressed_rows(layout, self.settings.block)
 
     def prefill(self, ctx: MethodContext, layout: PromptLayout, capacity: int) -> Prefill:
-        return block_prefill(ctx.adapter, layout, capacity, self.settings.block, self.mean, ctx.prefetch)
+        return block_prefill(ctx.adapter, layout, capacity, self.settings.block, self.mean, ctx.pipeline)
 
 
 def block_prefill(adapter, layout: PromptLayout, capacity: int, block: int, mean: bool,
-                  prefetch: bool = True) -> Prefill:
+                  pipeline: Pipeline = Pipeline()) -> Prefill:
     """Every chunk as one row per block (its last token's K/V, or the block mean), nothing recomputed."""
 
     def rows_of(seg: Segment):
         return BlockRows(seg.chunk, block, mean), block_ends(seg.chunk.num_tokens, block)
 
-    return compressed_prefill(adapter, layout, capacity, rows_of, prefetch)
+    return compressed_prefill(adapter, layout, capacity, rows_of, pipeline)
 
 
 def compressed_rows(layout: PromptLayout, block: int) -> int:

@@ -23,7 +23,7 @@ from cachetune.methods.prefill import Prefill
 from cachetune.model.adapter import ModelAdapter
 from cachetune.runtime.forward import forward_active
 from cachetune.runtime.kv_cache import KVCache
-from cachetune.runtime.loading import LayerLoader
+from cachetune.runtime.loading import LayerLoader, Pipeline
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class KVLinkSettings:
 
 @torch.no_grad()
 def link_prefill(adapter: ModelAdapter, layout: PromptLayout, links: LinkTokens, capacity: int,
-                 prefetch: bool = True) -> Prefill:
+                 pipeline: Pipeline = Pipeline()) -> Prefill:
     """Chunks reused as they are (keys rotated at their shifted rows), links and uncached text computed."""
     segs = layout.segments
     count = links.config.count
@@ -54,7 +54,7 @@ def link_prefill(adapter: ModelAdapter, layout: PromptLayout, links: LinkTokens,
     order = torch.argsort(rows)  # forward_active wants rows in increasing order
     cache = KVCache.empty(adapter.num_layers, max(capacity, total), adapter.num_kv_heads, adapter.head_dim,
                           adapter.dtype, device)
-    with LayerLoader(parts, adapter.num_layers, device, adapter.dtype, prefetch) as loader:
+    with LayerLoader(parts, adapter.kv_shape, device, adapter.dtype, pipeline) as loader:
         out = forward_active(adapter, hidden[order.to(device)], rows[order].to(device), cache, reused=loader,
                              last_only=True)
     return Prefill(cache, adapter.logits(out[-1:])[0], layout.total, int(rows.numel()), 0, prompt_rows=total,
@@ -80,7 +80,7 @@ class KVLinkMethod(TrainedMethod):
         return layout.total + self.settings.count * len(layout.chunk_segments)
 
     def prefill(self, ctx: MethodContext, layout: PromptLayout, capacity: int) -> Prefill:
-        return link_prefill(ctx.adapter, layout, self.loaded(ctx).tokens, capacity, ctx.prefetch)
+        return link_prefill(ctx.adapter, layout, self.loaded(ctx).tokens, capacity, ctx.pipeline)
 
 
 @register("kvlink", KVLinkSettings, suffix="links",

@@ -14,7 +14,7 @@ from cachetune.model.adapter import ModelAdapter
 from cachetune.runtime.decode import extend
 from cachetune.runtime.forward import AttentionFn, FuseFn, ObserveFn, forward_active
 from cachetune.runtime.kv_cache import KVCache
-from cachetune.runtime.loading import LayerLoader, LayerSource
+from cachetune.runtime.loading import LayerLoader, LayerSource, Pipeline
 
 
 class Prefill:
@@ -70,7 +70,7 @@ def selective_prefill(
     layout: PromptLayout,
     selections: list[torch.Tensor],
     capacity: int,
-    prefetch: bool = True,
+    pipeline: Pipeline = Pipeline(),
     observe: ObserveFn | None = None,
     fuse: FuseFn | None = None,
 ) -> Prefill:
@@ -102,7 +102,7 @@ def selective_prefill(
     cache = KVCache.empty(
         adapter.num_layers, max(capacity, layout.total), adapter.num_kv_heads, adapter.head_dim, adapter.dtype, device
     )
-    with LayerLoader(parts, adapter.num_layers, device, adapter.dtype, prefetch) as loader:
+    with LayerLoader(parts, adapter.kv_shape, device, adapter.dtype, pipeline) as loader:
         hidden = forward_active(
             adapter, adapter.embed(ids), active_pos.to(device), cache, reused=loader, last_only=True,
             observe=observe, fuse=fuse,
@@ -159,7 +159,7 @@ RowsFn = Callable[[Segment], tuple[LayerSource, torch.Tensor]]
 
 @torch.no_grad()
 def compressed_prefill(adapter: ModelAdapter, layout: PromptLayout, capacity: int, rows_of: RowsFn,
-                       prefetch: bool = True) -> Prefill:
+                       pipeline: Pipeline = Pipeline()) -> Prefill:
     """Uncached text computed at its own positions; every chunk as reused rows at the positions
     `rows_of` gives (offset by the chunk's start), nothing recomputed.
 
@@ -188,7 +188,7 @@ def compressed_prefill(adapter: ModelAdapter, layout: PromptLayout, capacity: in
     cache.positions[:row] = torch.cat(positions).to(device)
     rows = torch.cat(active_rows).to(device)
     ids = torch.cat([s.token_ids for s in layout.segments if not s.cached]).to(device)
-    with LayerLoader(parts, adapter.num_layers, device, adapter.dtype, prefetch) as loader:
+    with LayerLoader(parts, adapter.kv_shape, device, adapter.dtype, pipeline) as loader:
         hidden = forward_active(adapter, adapter.embed(ids), rows, cache, reused=loader, last_only=True)
     return Prefill(cache, adapter.logits(hidden[-1:])[0], layout.total, int(rows.numel()), 0, prompt_rows=row,
                    reused_rows=int(loader.rows.numel()))

@@ -99,4 +99,4 @@ class SelectiveMethod(Method):
         if self.selector.drops_unselected:
             return pruned_prefill(ctx.adapter, layout, selections, capacity)
         fuse = self.selector.fusion(request, selections)
-        return selective_prefill(ctx.adapter, layout, selections, capacity, ctx.prefetch, fuse=fuse)
+        return selective_prefill(ctx.adapter, layout, selections, capacity, ctx.pipeline, fuse=fuse)

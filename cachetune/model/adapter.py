@@ -78,6 +78,11 @@ class ModelAdapter:
         return self.backbone.embed_tokens.weight.device
 
     @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(layers, KV heads, head size): the shape of one KV row per layer."""
+        return self.num_layers, self.num_kv_heads, self.head_dim
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.backbone.embed_tokens.weight.dtype
 

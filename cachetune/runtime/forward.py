@@ -32,8 +32,14 @@ class ReusedKV(Protocol):
 
     rows: torch.Tensor  # [R] KV rows they fill (their positions are the cache's positions of those rows)
 
+    def begin(self, rotate: Callable[[int, torch.Tensor], torch.Tensor]) -> bool:
+        """Called once before layer(0); rotate(layer, keys [R, Hkv, D]) applies RoPE at the rows'
+        positions. True: layer() returns keys already rotated with it (deferred RoPE on the loading
+        path); False: they come pre-RoPE and the forward rotates them."""
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-RoPE keys and values [R, Hkv, D] of layer `index`, in `rows` order."""
+        """Keys (pre-RoPE unless begin() said otherwise) and values [R, Hkv, D] of layer `index`,
+        in `rows` order."""
 
 
 CaptureFn = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -85,11 +91,16 @@ def forward_active(
     plan = plan_blocks(rows, groups, adapter.dtype) if attention is None else None
     last_rows = rows[-1:] if last_only else rows
     last_plan = plan_blocks(last_rows, groups, adapter.dtype) if last_only and attention is None else plan
+
+    def rotate_reused(layer: int, keys: torch.Tensor) -> torch.Tensor:
+        return adapter.rotate(keys, *reused_rope[adapter.layer_info[layer].rope_kind])
+
+    rotated = reused.begin(rotate_reused) if rr is not None else False
     for layer in layers:
         info = adapter.layer_info[layer]
         if rr is not None:
             rk, rv = reused.layer(layer)
-            cache.keys[layer].index_copy_(0, rr, adapter.rotate(rk, *reused_rope[info.rope_kind]))
+            cache.keys[layer].index_copy_(0, rr, rk if rotated else rotate_reused(layer, rk))
             cache.values[layer].index_copy_(0, rr, rv)
         q, k, v = adapter.project_qkv(layer, hidden)
         if capture is not None:

@@ -26,9 +26,20 @@ class StoredChunk(ABC):
     positions: torch.Tensor | None = None  # [R] local positions of compressed rows; None: row i is token i
     variant: str = ""        # what made the rows ("" plain chunk encoding; see chunks.encode.chunk_id)
 
+    reader = None            # runtime.loading.RangeReader of this tier (None: load_layer per chunk)
+
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.numel())
+
+    @property
+    def rank_of(self) -> torch.Tensor:
+        """[R] the rank of every local row (the inverse of `ranking`)."""
+        if getattr(self, "_rank_of", None) is None:
+            rank_of = torch.empty_like(self.ranking)
+            rank_of[self.ranking] = torch.arange(self.ranking.numel())
+            self._rank_of = rank_of
+        return self._rank_of
 
     @property
     def row_positions(self) -> torch.Tensor:
@@ -55,6 +66,34 @@ class StoredChunk(ABC):
     @property
     @abstractmethod
     def num_layers(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def row_dtype(self) -> torch.dtype:
+        """dtype of the stored K/V rows."""
+
+
+class LocalChunk(StoredChunk):
+    """An encoded chunk used as is, outside any store (when no tier could take it)."""
+
+    def __init__(self, chunk: EncodedChunk):
+        self.chunk = chunk
+        self.chunk_id, self.token_ids, self.ranking = chunk.chunk_id, chunk.token_ids, chunk.ranking
+        self.scores, self.ranker, self.positions, self.variant = chunk.scores, chunk.ranker, chunk.positions, chunk.variant
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.chunk.keys.shape[0])
+
+    @property
+    def row_dtype(self) -> torch.dtype:
+        return self.chunk.keys.dtype
+
+    def load_layer(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.chunk.keys[layer][indices], self.chunk.values[layer][indices]
+
+    def encoded(self) -> EncodedChunk:
+        return self.chunk
 
 
 class ChunkStore(ABC):

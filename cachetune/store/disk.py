@@ -37,15 +37,39 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def read_exact(fd: int, offset: int, out: torch.Tensor) -> None:
-    """Fill contiguous CPU tensor `out` with the file's bytes at `offset` (a short read is corruption)."""
-    view = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+def byte_view(out: torch.Tensor) -> memoryview:
+    """The bytes of contiguous CPU tensor `out`, writable in place."""
+    return memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(bytearray())
+
+
+def read_exact(fd: int, offset: int, view: memoryview) -> None:
+    """Fill `view` with the file's bytes at `offset` (a short read is corruption)."""
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if n <= 0:
             raise CorruptChunkError(f"truncated: {len(view) - done} bytes missing at offset {offset + done}")
         done += n
+
+
+class DiskReader:
+    """runtime.loading.RangeReader of disk chunks: one positioned read per chunk per layer, straight
+    into the staging buffer (no tensor operation per chunk)."""
+
+    device = torch.device("cpu")
+
+    def plan(self, spans):
+        def read(layer: int, out: torch.Tensor) -> None:
+            view, at = byte_view(out), 0
+            for chunk, lo, hi in spans:
+                offset, length = chunk.layout.span(layer, lo, hi)
+                read_exact(chunk.fileno(), offset, view[at: at + length])
+                at += length
+
+        return read
+
+
+DISK_READER = DiskReader()
 
 
 class DiskChunk(StoredChunk):
@@ -57,24 +81,33 @@ class DiskChunk(StoredChunk):
         self.chunk_id = meta.chunk_id
         self.token_ids, self.ranking, self.scores = meta.token_ids, meta.ranking, meta.scores
         self.ranker, self.variant, self.positions = meta.ranker, meta.variant, meta.positions
-        self._rank_of = torch.empty_like(self.ranking)
-        self._rank_of[self.ranking] = torch.arange(self.ranking.numel())
         self._fd = fd
+
+    reader = DISK_READER
 
     @property
     def num_layers(self) -> int:
         return self.layout.layers
+
+    @property
+    def row_dtype(self) -> torch.dtype:
+        return self.layout.dtype
+
+    def fileno(self) -> int:
+        if self._fd < 0:
+            raise CorruptChunkError(f"{self.path}: closed")
+        return self._fd
 
     def read_rows(self, layer: int, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rank rows [lo, hi) of `layer` as [hi - lo, 2, Hkv, D] (into `out` when given): one read."""
         offset, _ = self.layout.span(layer, lo, hi)
         lay = self.layout
         out = torch.empty(hi - lo, 2, lay.kv_heads, lay.head_dim, dtype=lay.dtype) if out is None else out
-        read_exact(self._fd, offset, out)
+        read_exact(self._fd, offset, byte_view(out))
         return out
 
     def load_layer(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self._rank_of[indices.cpu()]
+        rows = self.rank_of[indices.cpu()]
         lo, hi = (int(rows.min()), int(rows.max()) + 1) if rows.numel() else (0, 0)
         # Only the covering rank range is read: the whole request for a ranked complement.
         kv = self.read_rows(layer, lo, hi).index_select(0, rows - lo)

@@ -2,8 +2,8 @@
 
     store = TieredStore([MemoryStore(4 * GiB), DiskStore(root, fingerprint, max_bytes=100 * GiB)])
 
-- `put` stores in the fastest tier and writes through to every shared tier (`tier.shared`: disk,
-  Redis), so another process finds the chunk at once.
+- `put` stores in the fastest tier that can hold the chunk and writes through to every shared tier
+  (`tier.shared`: disk, Redis), so another process finds the chunk at once.
 - A tier that evicts past its byte budget hands the chunk to the next tier (demotion); the last one
   drops it.
 - `get` answers from the fastest tier holding the chunk; a hit in a slower tier is copied into the
@@ -28,6 +28,7 @@ from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
 from cachetune.store.blob import ModelShape
 from cachetune.store.disk import DiskStore
 from cachetune.store.memory import MemoryStore
+from cachetune.store.redis import RedisStore
 
 
 class TieredStore(ChunkStore):
@@ -43,10 +44,11 @@ class TieredStore(ChunkStore):
 
     def put(self, chunk: EncodedChunk) -> None:
         with self._lock:
-            self.tiers[0].put(chunk)
-            for tier in self.tiers[1:]:
-                if tier.shared:
+            kept = False  # by a tier so far (a chunk larger than a tier goes on to the next)
+            for tier in self.tiers:
+                if not kept or tier.shared:
                     tier.put(chunk)
+                    kept = kept or chunk.chunk_id in tier
 
     def get(self, chunk_id: str) -> StoredChunk | None:
         with self._lock:
@@ -88,7 +90,9 @@ def build_store(specs: Sequence[TierSpec], fingerprint: str, shape: ModelShape, 
                 raise ValueError("a gpu tier needs the engine on a CUDA device")
             tiers.append(MemoryStore(spec.max_bytes, device=device))
         elif spec.kind == "cpu":
-            tiers.append(MemoryStore(spec.max_bytes))
-        else:
+            tiers.append(MemoryStore(spec.max_bytes, pinned=device.type == "cuda"))  # async copies to the GPU
+        elif spec.kind == "disk":
             tiers.append(DiskStore(spec.path or default_dir, fingerprint, shape=shape, max_bytes=spec.max_bytes))
+        else:
+            tiers.append(RedisStore(spec.path, fingerprint, shape=shape))
     return tiers[0] if len(tiers) == 1 else TieredStore(tiers)
