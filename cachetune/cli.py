@@ -257,6 +257,22 @@ def cmd_bench_batch(args) -> int:
     return 0 if all(r["tokens_equal_alone"] for r in report["rows"]) else 1
 
 
+def cmd_bench_pipeline(args) -> int:
+    from cachetune.eval.bench_pipeline import (PipelineBenchConfig, format_pipeline_table, plot_pipeline,
+                                               run_bench_pipeline)
+    from cachetune.eval.datasets import load_dataset
+
+    cfg = PipelineBenchConfig(tier=args.tier, ratio=EngineConfig.ratio if args.ratio is None else args.ratio,
+                              repeats=args.repeats, documents=args.docs, disk_dir=args.dir, redis_url=args.redis_url)
+    examples = load_dataset(args.data, args.limit)
+    report = run_bench_pipeline(_engine(args), examples, cfg)
+    report["data"] = args.data
+    _report_out(report, format_pipeline_table(report), args.json)
+    if args.json:
+        print(f"wrote {plot_pipeline([report], Path(args.json).with_suffix('.png'))}", file=sys.stderr)
+    return 0
+
+
 def cmd_train(args) -> int:
     """`cachetune {c2kv,kvlink,block-attention} train`: one loop, three kinds of trained add-ons."""
     from cachetune.blockattn.model import BlockAttentionConfig, BlockAttentionModel
@@ -401,6 +417,21 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--json", help="write the report here, a .md table and a .png plot beside it")
     _engine_args(bb, own=("method", "ratio", "max_new_tokens"))
     bb.set_defaults(func=cmd_bench_batch)
+
+    bp = sub.add_parser("bench-pipeline", help="the cache-loading ablation (paper Table 4) on one tier")
+    bp.add_argument("--tier", default="cpu", choices=("cpu", "disk", "redis", "hdd", "ssd", "nvme", "matched"),
+                    help="where the chunks are read from; hdd/ssd/nvme throttle the cpu tier to those media, "
+                         "matched to a bandwidth at which loading takes as long as recompute [cpu]")
+    bp.add_argument("--data", default="musique", help="dataset name or file [musique]")
+    bp.add_argument("--limit", type=int, default=4, help="prompts [4]")
+    bp.add_argument("--docs", type=int, default=0, help="documents per prompt (0: all)")
+    bp.add_argument("--ratio", type=float, help=f"share of every chunk recomputed [{EngineConfig.ratio}]")
+    bp.add_argument("--repeats", type=int, default=3, help="timed runs per variant and prompt [3]")
+    bp.add_argument("--dir", help="the disk tier's folder [a temporary one]")
+    bp.add_argument("--redis-url", default="redis://127.0.0.1:6379", help="the redis tier's server [%(default)s]")
+    bp.add_argument("--json", help="write the report here and a .md table beside it")
+    _engine_args(bp, own=("ratio",))
+    bp.set_defaults(func=cmd_bench_pipeline)
 
     an = sub.add_parser("analyze", help="the paper's analyses: drift recall, spectrum, attention, sweeps, robustness")
     an.add_argument("analysis", choices=ANALYSES)

@@ -2,9 +2,10 @@
 
 Weights are random (initialised on the device, so no checkpoint has to travel): only timings are
 meaningful, never the outputs. Per shape: a prompt of CHUNKS cached chunks of CHUNK_TOKENS tokens plus
-a question, served by full recompute, full reuse (r=0) and the `first` selection at r=0.15, with the
-chunk KV in GPU memory or in CPU RAM (loaded layer by layer, overlapped or not). Writes JSON and a
-markdown table. Usage: python scripts/gpu_ttft.py OUT_DIR [--device cuda] [--shapes tiny]
+a question, served by full recompute, full reuse (r=0) and the top 15% of each chunk by its stored
+ranking, with the chunk KV in GPU memory or in pinned CPU RAM, under every step of the cache-loading
+ablation (eval.bench_pipeline.VARIANTS: sequential, +overlap, +sparse, +deferred_rope). Writes JSON
+and a markdown table. Usage: python scripts/gpu_ttft.py OUT_DIR [--device cuda] [--shapes tiny]
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from cachetune.chunks.encode import encode_chunk
+from cachetune.chunks.ranking import top_share
+from cachetune.eval.bench_pipeline import VARIANTS
 from cachetune.methods.layout import PromptLayout, Segment
 from cachetune.methods.prefill import full_prefill, selective_prefill
 from cachetune.model.adapter import ModelAdapter
@@ -65,18 +68,19 @@ def measure(shape: str, device: torch.device, dtype: torch.dtype) -> dict:
     question = torch.randint(3, vocab, (QUESTION_TOKENS,))
     encoded = [encode_chunk(adapter, t, "timing") for t in ids]
     row: dict = {"shape": shape, "prompt_tokens": CHUNKS * CHUNK_TOKENS + QUESTION_TOKENS}
-    k = round(RATIO * CHUNK_TOKENS)
-    for tier, store in (("gpu", MemoryStore(device=device)), ("cpu", MemoryStore())):
+    pinned = device.type == "cuda"
+    tiers = [("cpu", MemoryStore(pinned=pinned))] + ([("gpu", MemoryStore(device=device))] if pinned else [])
+    for tier, store in tiers:
         for chunk in encoded:
             store.put(chunk)
         layout = PromptLayout([Segment(c.token_ids, store.get(c.chunk_id)) for c in encoded] + [Segment(question)])
         if "full_recompute_ms" not in row:
             row["full_recompute_ms"] = _time(lambda: full_prefill(adapter, layout, layout.total), device)
-        for label, chosen in (("reuse", torch.empty(0, dtype=torch.int64)), ("first15", torch.arange(k))):
-            for prefetch in (True, False):
-                name = f"{label}_{tier}" + ("" if prefetch else "_noprefetch")
-                run = lambda: selective_prefill(adapter, layout, [chosen] * CHUNKS, layout.total, prefetch)  # noqa: E731
-                row[f"{name}_ms"] = _time(run, device)
+        ranked = [top_share(seg.chunk.ranking, RATIO).sort().values for _, seg in layout.chunk_segments]
+        for label, chosen in (("reuse", [torch.empty(0, dtype=torch.int64)] * CHUNKS), ("ranked15", ranked)):
+            for variant, pipeline in VARIANTS.items():
+                run = lambda: selective_prefill(adapter, layout, chosen, layout.total, pipeline)  # noqa: E731
+                row[f"{label}_{tier}_{variant.lstrip('+')}_ms"] = _time(run, device)
     full = row["full_recompute_ms"]
     row["speedup"] = {key[:-3]: round(full / value, 2) for key, value in row.items()
                       if key.endswith("_ms") and key != "full_recompute_ms"}

@@ -129,3 +129,79 @@ def test_the_chain_is_safe_under_threads(tmp_path) -> None:
     assert errors == []
     for ch in chunks:  # everything is still there, intact, somewhere in the chain
         assert_same_rows(store.get(ch.chunk_id), ch)
+
+
+# ============================================================== other rankers' scores, kept with the chunk
+
+
+def some_scores(chunk, seed: int = 0) -> torch.Tensor:
+    return torch.rand(chunk.num_tokens, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk", "redis"])
+def test_scores_of_another_ranker_are_kept_with_the_chunk(tier, tmp_path, request) -> None:
+    def open_tier():
+        if tier == "memory":
+            return memory
+        if tier == "disk":
+            return DiskStore(tmp_path, FP)  # every call: another process's view of the folder
+        from cachetune.store.redis import RedisStore
+
+        return RedisStore(request.getfixturevalue("redis_url"), FP, prefix=str(tmp_path))
+
+    memory = MemoryStore()
+    chunk, other = make_chunk(seed=1), make_chunk(seed=2)
+    writer = open_tier()
+    writer.put(chunk)
+    scores = some_scores(chunk)
+    writer.put_scores(chunk.chunk_id, "random", scores)
+    writer.put_scores(other.chunk_id, "random", scores)  # a chunk it does not hold: ignored
+    reader = open_tier()
+    assert torch.equal(reader.get_scores(chunk.chunk_id, "random"), scores)
+    assert reader.get_scores(chunk.chunk_id, "l2") is None
+    assert reader.get_scores(other.chunk_id, "random") is None
+    reader.remove(chunk.chunk_id)
+    reader.put(chunk)
+    assert open_tier().get_scores(chunk.chunk_id, "random") is None  # removed with the chunk
+
+
+def test_a_bad_scores_file_is_dropped_and_never_used(tmp_path) -> None:
+    store = DiskStore(tmp_path, FP)
+    chunk = make_chunk(seed=3)
+    store.put(chunk)
+    store.put_scores(chunk.chunk_id, "random", some_scores(chunk))
+    path = store.scores_path(chunk.chunk_id, "random")
+    blob = bytearray(path.read_bytes())
+    blob[-2] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    assert store.get_scores(chunk.chunk_id, "random") is None and not path.exists()
+    other = make_chunk(seed=4)  # scores of another chunk planted under this name
+    store.put(other)
+    store.put_scores(other.chunk_id, "random", some_scores(other))
+    path.write_bytes(store.scores_path(other.chunk_id, "random").read_bytes())
+    assert store.get_scores(chunk.chunk_id, "random") is None
+
+
+def test_the_chain_writes_scores_through_and_promotes_them(tmp_path) -> None:
+    chunk = make_chunk(seed=5)
+    TieredStore([MemoryStore(), DiskStore(tmp_path, FP)]).put(chunk)
+    first = TieredStore([MemoryStore(), DiskStore(tmp_path, FP)])
+    assert first.get(chunk.chunk_id) is not None
+    first.put_scores(chunk.chunk_id, "random", some_scores(chunk, 7))
+    other = TieredStore([MemoryStore(), DiskStore(tmp_path, FP)])  # another process
+    assert other.get(chunk.chunk_id) is not None
+    assert torch.equal(other.get_scores(chunk.chunk_id, "random"), some_scores(chunk, 7))
+    assert torch.equal(other.tiers[0].get_scores(chunk.chunk_id, "random"), some_scores(chunk, 7))  # promoted
+
+
+def test_an_engine_finds_rankings_another_engine_computed(tmp_path) -> None:
+    from conftest import tiny_engine, words
+
+    tiers = f"cpu:64MiB,disk:{tmp_path}"
+    first = tiny_engine(tiers=tiers, self_check=False)
+    cid = first.cache_chunk(words(70, 3))
+    want = first.rankings.scores(first.chunk(cid), "l2")  # not the stored ranker: computed now
+    second = tiny_engine(tiers=tiers, self_check=False)
+    assert second.cache_chunk(words(70, 3)) == cid and second.chunks_encoded == 0
+    assert torch.equal(second.store.get_scores(cid, "l2"), want)
+    assert torch.equal(second.rankings.scores(second.chunk(cid), "l2"), want)

@@ -86,7 +86,7 @@ class Engine:
         self.store = store or self._default_store()
         self.chunks_encoded = 0  # chunks this engine ran through the model (a chunk found in the store is not)
         self.rankings = ChunkRankings(self.adapter, config.ranking, config.alpha, self._ranking_context,
-                                      config.tracked_chunks)
+                                      config.tracked_chunks, self.store)
         self.prefix_cache = PrefixCache(max_blocks=config.prefix_blocks)
         self.extractors = ExtractorBank(self.adapter, weights_identity(self.model), self.fingerprint, self.eos_id())
         self.context = MethodContext(self.adapter, self.rankings, self.prefix_cache, Pipeline(overlap=config.prefetch), self.store,

@@ -89,7 +89,8 @@ def hf_decode_rate(engine: Engine, prompts: list[PromptLayout], new_tokens: int)
     return len(prompts) * new_tokens / (clock.times[-1] - clock.times[0])
 
 
-def _prompt(engine: Engine, example: QAExample, documents: int) -> PromptLayout:
+def example_prompt(engine: Engine, example: QAExample, documents: int = 0) -> PromptLayout:
+    """The prompt of `example` with its first `documents` documents (0: all) cached as chunks."""
     docs = example.documents[:documents] if documents else example.documents
     ids = [engine.cache_chunk(doc + DOCUMENT_SEPARATOR) for doc in docs]
     before, after = engine.template.segments(TASK_SYSTEM[example.task], example.question,
@@ -132,7 +133,7 @@ def run_bench_batch(engine: Engine, sets: dict[str, list[QAExample]], cfg: Batch
     for name, examples in sets.items():
         if len(examples) < need:
             raise ValueError(f"{name}: {len(examples)} examples, concurrency {need} needs that many")
-        prompts = [_prompt(engine, ex, cfg.sizes.get(name, 0)) for ex in examples[:need]]  # cached, untimed
+        prompts = [example_prompt(engine, ex, cfg.sizes.get(name, 0)) for ex in examples[:need]]  # cached, untimed
         _serve(engine, prompts[:1], cfg)  # warm-up: first-call allocations, thread start-up
         alone = [_serve(engine, [p], cfg) for p in tqdm(prompts, desc=f"{name} alone", disable=not progress)]
         reference = [a["tokens"][0] for a in alone]

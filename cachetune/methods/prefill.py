@@ -64,21 +64,10 @@ def full_prefill(adapter: ModelAdapter, layout: PromptLayout, capacity: int) -> 
     return Prefill(out.cache, out.logits[0, -1].float(), n, n, chunk_tokens, capacity)
 
 
-@torch.no_grad()
-def selective_prefill(
-    adapter: ModelAdapter,
-    layout: PromptLayout,
-    selections: list[torch.Tensor],
-    capacity: int,
-    pipeline: Pipeline = Pipeline(),
-    observe: ObserveFn | None = None,
-    fuse: FuseFn | None = None,
-) -> Prefill:
-    """Recompute uncached text and the selected chunk tokens; reuse all other chunk KV.
-
-    selections: per cached chunk (prompt order), sorted local indices to recompute.
-    observe, fuse: passed to forward_active (see there).
-    """
+def reuse_plan(layout: PromptLayout, selections: list[torch.Tensor]
+               ) -> tuple[torch.Tensor, list[tuple[LayerSource, torch.Tensor, torch.Tensor]], int]:
+    """(active prompt positions [T], loader parts (chunk, reused local indices, their rows), number of
+    chunk tokens recomputed) of a selective prefill; selections as in selective_prefill."""
     chunks = layout.chunk_segments
     if len(selections) != len(chunks):
         raise ValueError(f"{len(selections)} selections for {len(chunks)} chunks")
@@ -96,7 +85,25 @@ def selective_prefill(
         local = reuse.nonzero().flatten()
         active[start + local] = False
         parts.append((seg.chunk, local, start + local))
-    active_pos = active.nonzero().flatten()
+    return active.nonzero().flatten(), parts, recomputed
+
+
+@torch.no_grad()
+def selective_prefill(
+    adapter: ModelAdapter,
+    layout: PromptLayout,
+    selections: list[torch.Tensor],
+    capacity: int,
+    pipeline: Pipeline = Pipeline(),
+    observe: ObserveFn | None = None,
+    fuse: FuseFn | None = None,
+) -> Prefill:
+    """Recompute uncached text and the selected chunk tokens; reuse all other chunk KV.
+
+    selections: per cached chunk (prompt order), sorted local indices to recompute.
+    observe, fuse: passed to forward_active (see there).
+    """
+    active_pos, parts, recomputed = reuse_plan(layout, selections)
     device = adapter.device
     ids = layout.input_ids[active_pos].to(device)
     cache = KVCache.empty(

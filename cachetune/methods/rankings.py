@@ -1,8 +1,9 @@
 """Offline rankings of stored chunks by any named ranker: the stored one, or computed once and kept.
 
 A chunk is stored with the scores of the configured ranker. A method that reads another ranking (an
-analysis control, `cachetune:<ranking>`) gets it computed on first use and kept in a bounded LRU, so
-requests never pay for it; a hybrid reuses the rankings of its parts.
+analysis control, `cachetune:<ranking>`) gets it computed on first use and kept in a bounded LRU and
+in the store beside the chunk (every shared tier too), so requests never pay for it and no other
+process computes it again; a hybrid reuses the rankings of its parts.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from cachetune.chunks.rankers import ChunkView, FusionRanker, Ranker, RankingCon
 from cachetune.chunks.ranking import rank_fusion, ranking_from_scores
 from cachetune.lru import LRUDict
 from cachetune.model.adapter import ModelAdapter
-from cachetune.store.base import StoredChunk
+from cachetune.store.base import ChunkStore, StoredChunk
 
 
 class ChunkRankings:
@@ -25,8 +26,9 @@ class ChunkRankings:
     prefixes that model-running rankers need (called at most once, on first need)."""
 
     def __init__(self, adapter: ModelAdapter, default: str, alpha: float, context: Callable[[], RankingContext],
-                 capacity: int = 4096):
+                 capacity: int = 4096, store: ChunkStore | None = None):
         self.adapter = adapter
+        self.store = store  # where computed scores are kept with their chunk (None: only in this process)
         self.default = default
         self.alpha = alpha
         self._make_context = context
@@ -57,7 +59,10 @@ class ChunkRankings:
             return chunk.scores
         key = (chunk.chunk_id, ranker.name)
         found = self._scores.get(key)
+        if found is None and self.store is not None:
+            found = self.store.get_scores(chunk.chunk_id, ranker.name)  # computed by any process before
         if found is not None:
+            self._scores.put(key, found)
             return found
         if isinstance(ranker, FusionRanker):
             # A hybrid's parts are rankings in their own right: reuse (and keep) theirs.
@@ -70,6 +75,8 @@ class ChunkRankings:
             context = self.context() if ranker.needs_model else None
             scores = ranker.scores(ChunkView(chunk.token_ids, keys, values, context))
         self._scores.put(key, scores)
+        if self.store is not None:
+            self.store.put_scores(chunk.chunk_id, ranker.name, scores)
         return scores
 
     def ranking(self, chunk: StoredChunk, spec: str | None = None) -> torch.Tensor:

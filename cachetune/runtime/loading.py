@@ -13,7 +13,10 @@ buffer `[R, 2, Hkv, D]` (keys and values side by side, as every tier stores them
 - reused keys get one RoPE call for all rows, on the loading path (deferred RoPE) or in the forward.
 
 So the tensor operations per layer do not grow with the number of chunks. While layer l computes,
-layer l+1 is read (a worker thread on CPU: torch gathers and file reads release the GIL).
+layer l+1 is read: on CUDA a worker queues the whole layer on a side stream; on CPU the worker does
+only the reads that wait on storage (file reads, Redis, a throttled medium), and gathers, copies and
+RoPE stay on the forward's thread, since a second thread doing torch work would run a second OpenMP
+team spinning on the same cores (measured: overlap then cost 70% more than it hid).
 `Pipeline` switches each of these off for the paper's Table 4 ablation (`cachetune bench-pipeline`).
 """
 
@@ -44,6 +47,7 @@ class RangeReader(Protocol):
     """Reads rank ranges of many chunks of one tier together (one reader per tier)."""
 
     device: torch.device  # where rows are read to: the CPU for host tiers, the GPU for a GPU tier
+    blocking: bool        # reads wait on storage (disk, network), not on the CPU: worth a thread on CPU
 
     def plan(self, spans: list[tuple["RankedSource", int, int]]) -> ReadFn:
         """Prepare reading rank rows [lo, hi) of each (chunk, lo, hi), in order, into consecutive rows
@@ -115,6 +119,7 @@ class _Group:
 
     reader: RangeReader | None
     on_host: bool
+    blocking: bool = False  # its reads wait on storage (disk, network, a throttled medium)
     spans: list = None   # (source, lo, hi) rank ranges, or (source, local indices) without a reader
     dest: list = None    # [n] cache rows of the staged rows, per span
     keep: list = None    # [n] the span's reused rows among the group's staged rows
@@ -165,7 +170,11 @@ class LayerLoader:
         self._consumed: dict[int, torch.cuda.Event] = {}  # slot -> the forward is done with it
         self._pending: dict[int, Future] = {}
         self._loaded: list | None = None
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kv-load") if pipeline.overlap and parts else None
+        # On CPU a worker only pays when some reads wait on storage: torch work on a second thread
+        # would start a second OpenMP team that spins against the forward's for the same cores.
+        worth = self._cuda or any(g.blocking for g in self._groups)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kv-load") if pipeline.overlap and parts and worth \
+            else None
         self._stream = torch.cuda.Stream(device) if self._cuda and parts else None
 
     def _group(self, parts) -> list[_Group]:
@@ -175,7 +184,7 @@ class LayerLoader:
             ranked = isinstance(source, RankedSource) and source.row_dtype == self.staged_dtype
             reader = source.reader if ranked else None
             on_host = reader is None or reader.device.type == "cpu"
-            group = groups.setdefault(id(reader), _Group(reader, on_host))
+            group = groups.setdefault(id(reader), _Group(reader, on_host, bool(getattr(reader, "blocking", False))))
             local, dest = local.cpu(), dest.cpu()
             if reader is None:
                 group.spans.append((source, local))
@@ -201,6 +210,9 @@ class LayerLoader:
         """forward.ReusedKV: called before layer(0). With deferred RoPE the loader rotates the keys
         itself and returns True; otherwise the forward rotates them."""
         self._rotate = rotate if self.pipeline.deferred_rope else None
+        if self._worker is not None and self._groups:  # layer 0 starts loading while the forward sets up
+            job = (self._read, 0, 0) if self._cuda else (self._fetch, 0, 0, True)
+            self._pending[0] = self._worker.submit(*job)
         return self._rotate is not None
 
     # ------------------------------------------------------------------------------------------ reads
@@ -215,38 +227,54 @@ class LayerLoader:
         shape = (self.kv_heads, self.head_dim, self.staged_dtype)
         return as_rows(host, self._host_rows, *shape), (as_rows(dev, self._staged, *shape) if dev is not None else None)
 
-    def _read(self, layer: int, slot: int):
+    def _fetch(self, layer: int, slot: int, blocking: bool | None = None) -> None:
+        """Read the groups' rows of `layer` into the slot (only the blocking, or only the other
+        groups, when `blocking` says so)."""
         host, staged = self._buffers(slot)
         staged = staged if staged is not None else host
+        at = {True: 0, False: 0}  # next free row of the host / device part
+        for g in self._groups:
+            out = (host if g.on_host else staged)[at[g.on_host]: at[g.on_host] + g.rows]
+            at[g.on_host] += g.rows
+            if blocking is not None and g.blocking != blocking:
+                continue
+            if g.read is not None:
+                g.read(layer, out)
+            else:
+                self._read_by_layer(g, layer, out)
+
+    def _finish(self, layer: int, slot: int):
+        """(keys, values, CUDA event or None) of a fetched slot: on the device, the reused rows
+        kept, in the model dtype, keys rotated with deferred RoPE."""
+        host, staged = self._buffers(slot)
+        staged = staged if staged is not None else host
+        if self._cuda and self._host_rows:
+            staged[self._staged - self._host_rows:].copy_(host, non_blocking=True)
+        kv = staged if self._keep is None else staged.index_select(0, self._keep)
+        kv = kv if kv.dtype == self.dtype and kv.device == self.device else kv.to(self.device, self.dtype)
+        k, v = kv[:, 0], kv[:, 1]
+        if self._rotate is not None:
+            k = self._rotate(layer, k)
+        done = None
+        if self._stream is not None:
+            done = torch.cuda.Event()
+            done.record(self._stream)
+            if self._host_rows:
+                self._copied[slot] = done
+        return k, v, done
+
+    def _read(self, layer: int, slot: int):
+        """Fetch and finish a layer (on CUDA on the side stream, ordered after the slot's last use)."""
         if slot in self._copied:
             self._copied.pop(slot).synchronize()  # this host slot's last copy to the device has left it
-        stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
-        with stream:
+        if self._stream is None:
+            self._fetch(layer, slot)
+            return self._finish(layer, slot)
+        with torch.cuda.stream(self._stream):
             if slot in self._consumed:
                 self._stream.wait_event(self._consumed.pop(slot))  # the forward is done with this slot
-            at = {True: 0, False: 0}  # next free row of the host / device part
-            for g in self._groups:
-                buf = host if g.on_host else staged
-                out = buf[at[g.on_host]: at[g.on_host] + g.rows]
-                if g.read is not None:
-                    g.read(layer, out)
-                else:
-                    self._read_by_layer(g, layer, out)
-                at[g.on_host] += g.rows
-            if self._cuda and self._host_rows:
-                staged[self._staged - self._host_rows:].copy_(host, non_blocking=True)
-            kv = staged if self._keep is None else staged.index_select(0, self._keep)
-            kv = kv if kv.dtype == self.dtype and kv.device == self.device else kv.to(self.device, self.dtype)
-            k, v = kv[:, 0], kv[:, 1]
-            if self._rotate is not None:
-                k = self._rotate(layer, k)
-            done = None
-            if self._stream is not None:
-                done = torch.cuda.Event()
-                done.record(self._stream)
-                if self._host_rows:
-                    self._copied[slot] = done
-        return k, v, done
+            self._fetch(layer, slot)
+            return self._finish(layer, slot)
 
     @staticmethod
     def _read_by_layer(group: _Group, layer: int, out: torch.Tensor) -> None:
@@ -267,15 +295,25 @@ class LayerLoader:
             if self._loaded is None:  # sequential: every layer is read before the first computes
                 self._loaded = [self._read(layer, slot=layer) for layer in range(self.num_layers)]
             k, v, done = self._loaded[index]
-        else:
+        elif self._cuda:  # the worker queues whole layers on the side stream
             future = self._pending.pop(index, None)
             k, v, done = future.result() if future is not None else self._read(index, index % 2)
             if index + 1 < self.num_layers:
-                if self._cuda:  # the next slot held layer index - 1, whose use is queued by now
-                    consumed = torch.cuda.Event()
-                    consumed.record(torch.cuda.current_stream(self.device))
-                    self._consumed[(index + 1) % 2] = consumed
+                consumed = torch.cuda.Event()  # the next slot held layer index - 1, whose use is queued by now
+                consumed.record(torch.cuda.current_stream(self.device))
+                self._consumed[(index + 1) % 2] = consumed
                 self._pending[index + 1] = self._worker.submit(self._read, index + 1, (index + 1) % 2)
+        else:  # on CPU the worker only waits on storage; the rest runs here, on the forward's cores
+            slot = index % 2
+            future = self._pending.pop(index, None)
+            if future is not None:
+                future.result()
+            else:
+                self._fetch(index, slot, blocking=True)
+            if index + 1 < self.num_layers and self._worker is not None:
+                self._pending[index + 1] = self._worker.submit(self._fetch, index + 1, (index + 1) % 2, True)
+            self._fetch(index, slot, blocking=False)
+            k, v, done = self._finish(index, slot)
         if done is not None:
             consumer = torch.cuda.current_stream(self.device)
             consumer.wait_event(done)
@@ -289,7 +327,9 @@ class LayerLoader:
             self._worker.shutdown(wait=True, cancel_futures=True)
             self._worker = None
         if self._stream is not None:
+            # The buffers go back to the pool: nothing queued on either stream may still use them.
             self._stream.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
         for host, dev in self._slots.values():
             self.pool.give(host, pinned=self._cuda)
             if dev is not None:

@@ -128,6 +128,14 @@ class ChunkStore(ABC):
     @abstractmethod
     def remove(self, chunk_id: str) -> None: ...
 
+    def put_scores(self, chunk_id: str, ranker: str, scores: torch.Tensor) -> None:
+        """Keep another ranker's scores [R] of a chunk this tier holds, so no process computes them
+        again (ignored for a chunk it does not hold; removed with the chunk)."""
+
+    def get_scores(self, chunk_id: str, ranker: str) -> torch.Tensor | None:
+        """Scores kept by put_scores, or None (absent, or failed their check and were dropped)."""
+        return None
+
     def __contains__(self, chunk_id: str) -> bool:
         try:
             return self.get(chunk_id) is not None

@@ -214,3 +214,31 @@ def verify(blob: bytes, fingerprint: str, expected_id: str, shape: ModelShape | 
         raise CorruptChunkError("ranking does not follow the stored scores")
     layout = BlobLayout(8 + header_length(blob) + kv_begin, rows, layers, kv_heads, head_dim, DTYPES[kv_dtype])
     return BlobMeta(expected_id, token_ids, ranking, scores, positions, meta["ranker"], meta["variant"], layout)
+
+
+SCORES_FORMAT = "cachetune-scores/1"
+
+
+def pack_scores(chunk_id_: str, ranker: str, scores: torch.Tensor, fingerprint: str) -> bytes:
+    """A small blob of one more ranker's scores [R] for a stored chunk (kept beside it, so another
+    process never computes them again); checksummed like a chunk blob."""
+    tensors = {"scores": scores.to(torch.float32).contiguous()}
+    meta = {"format": SCORES_FORMAT, "chunk_id": check_id(chunk_id_), "fingerprint": fingerprint, "ranker": ranker}
+    header, data = split(save(tensors, metadata=meta))
+    return save(tensors, metadata={**meta, "sha256": _digest(header, data)})
+
+
+def verify_scores(blob: bytes, fingerprint: str, chunk_id_: str, ranker: str, rows: int) -> torch.Tensor:
+    """The scores [rows] in a blob from pack_scores, or CorruptChunkError naming what is wrong."""
+    header, data = split(blob)
+    meta = header["__metadata__"]
+    if meta.get("format") != SCORES_FORMAT or meta.get("fingerprint") != fingerprint:
+        raise CorruptChunkError("not a scores blob of this model")
+    if _digest(header, data) != meta.get("sha256"):
+        raise CorruptChunkError("checksum mismatch")
+    if meta.get("chunk_id") != chunk_id_ or meta.get("ranker") != ranker:
+        raise CorruptChunkError("scores of another chunk or ranker")
+    shape, begin, end = _spec(header, "scores", "F32", 1, len(data))
+    if shape != [rows]:
+        raise CorruptChunkError(f"{shape[0]} scores for a chunk of {rows} rows")
+    return _tensor(data, begin, end, torch.float32)

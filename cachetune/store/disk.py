@@ -10,6 +10,7 @@ Temp files of writers that died mid-write are removed when a store opens the fol
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import stat
@@ -23,12 +24,14 @@ import torch
 from cachetune.chunks.encode import EncodedChunk
 from cachetune.lru import LRUDict
 from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
-from cachetune.store.blob import FORMAT, ID_PATTERN, BlobMeta, ModelShape, check_id, pack, verify
+from cachetune.store.blob import (FORMAT, ID_PATTERN, MAX_HEADER, BlobMeta, ModelShape, check_id, pack, pack_scores,
+                                  verify, verify_scores)
 
 __all__ = ["FORMAT", "DiskChunk", "DiskStore"]
 log = logging.getLogger(__name__)
 
 TMP_SUFFIX = ".tmp"
+SCORES_SUFFIX = ".scores"  # <chunk id>.<ranker tag>.scores: another ranker's scores of the chunk
 STALE_TMP_S = 3600.0  # a temp file this old is garbage even if its writer's pid is alive (reused pids)
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -57,6 +60,7 @@ class DiskReader:
     into the staging buffer (no tensor operation per chunk)."""
 
     device = torch.device("cpu")
+    blocking = True
 
     def plan(self, spans):
         def read(layer: int, out: torch.Tensor) -> None:
@@ -274,11 +278,68 @@ class DiskStore(ChunkStore):
             os.close(fd)
             raise
 
+    def scores_path(self, chunk_id: str, ranker: str) -> Path:
+        tag = hashlib.sha256(ranker.encode()).hexdigest()[:16]
+        return self.root / f"{check_id(chunk_id)}.{tag}{SCORES_SUFFIX}"
+
+    def put_scores(self, chunk_id: str, ranker: str, scores: torch.Tensor) -> None:
+        if self.path(chunk_id).exists():
+            self._write(self.scores_path(chunk_id, ranker), chunk_id, pack_scores(chunk_id, ranker, scores, self.fingerprint))
+
+    def get_scores(self, chunk_id: str, ranker: str) -> torch.Tensor | None:
+        stored = self.get(chunk_id)
+        path = self.scores_path(chunk_id, ranker)
+        if stored is None or not path.exists():
+            return None
+        try:
+            return verify_scores(_read_regular(path), self.fingerprint, chunk_id, ranker, int(stored.ranking.numel()))
+        except CorruptChunkError as exc:
+            log.warning("dropped bad scores file %s: %s", path, exc)
+            _discard(path)
+            return None
+
+    def drop_page_cache(self) -> int:
+        """Ask the kernel to drop its cached pages of every chunk file (posix_fadvise DONTNEED; the
+        files are written with fsync, so their pages are clean and can go): the next reads come from
+        the device, as a benchmark of this tier needs. Returns the number of files advised."""
+        advised = 0
+        for path in self.root.glob("*.safetensors"):
+            try:
+                fd = os.open(path, _OPEN_FLAGS)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                advised += 1
+            finally:
+                os.close(fd)
+        return advised
+
     def remove(self, chunk_id: str) -> None:
         self._verified.pop(chunk_id, None)  # a request still reading it keeps its descriptor until done
         with self._lock:
             self._sizes.pop(chunk_id, None)
         self.path(chunk_id).unlink(missing_ok=True)
+        for sidecar in self.root.glob(f"{chunk_id}.*{SCORES_SUFFIX}"):
+            sidecar.unlink(missing_ok=True)
+
+
+def _read_regular(path: Path) -> bytes:
+    """A small file's bytes (no symlink, regular files only), or CorruptChunkError."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        raise CorruptChunkError(f"cannot open ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_HEADER + 2**26:
+            raise CorruptChunkError("not a regular file of plausible size")
+        blob = bytearray(st.st_size)
+        if os.preadv(fd, [blob], 0) != st.st_size:
+            raise CorruptChunkError("short read")
+        return bytes(blob)
+    finally:
+        os.close(fd)
 
 
 def _discard(path: Path) -> None:

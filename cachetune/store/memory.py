@@ -56,6 +56,8 @@ class RowArena:
 class ArenaReader:
     """runtime.loading.RangeReader of one arena: one gather per layer for all planned chunks."""
 
+    blocking = False  # a memcpy on the host, or a kernel on the GPU
+
     def __init__(self, arena: RowArena):
         self.arena, self.device = arena, arena.kv.device
 
@@ -75,6 +77,7 @@ class MemoryChunk(StoredChunk):
         self.chunk_id, self.token_ids, self.ranking = chunk.chunk_id, chunk.token_ids, chunk.ranking
         self.scores, self.ranker, self.positions, self.variant = chunk.scores, chunk.ranker, chunk.positions, chunk.variant
         self.arena, self.rows_at, self.reader = arena, rows_at, reader
+        self.more_scores: dict[str, torch.Tensor] = {}  # other rankers' scores (put_scores)
         weakref.finalize(self, arena.release, rows_at)  # its rows are free once no request holds it
 
     @property
@@ -170,6 +173,15 @@ class MemoryStore(ChunkStore):
             if stored is not None:
                 self._chunks.move_to_end(chunk_id)
             return stored
+
+    def put_scores(self, chunk_id: str, ranker: str, scores: torch.Tensor) -> None:
+        stored = self.get(chunk_id)
+        if stored is not None:
+            stored.more_scores[ranker] = scores
+
+    def get_scores(self, chunk_id: str, ranker: str) -> torch.Tensor | None:
+        stored = self.get(chunk_id)
+        return stored.more_scores.get(ranker) if stored is not None else None
 
     def remove(self, chunk_id: str) -> None:
         with self._lock:

@@ -25,7 +25,7 @@ import torch
 from cachetune.chunks.encode import EncodedChunk
 from cachetune.lru import LRUDict
 from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
-from cachetune.store.blob import BlobMeta, ModelShape, check_id, pack, verify
+from cachetune.store.blob import BlobMeta, ModelShape, check_id, pack, pack_scores, verify, verify_scores
 from cachetune.store.disk import byte_view
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class RedisReader:
     """runtime.loading.RangeReader of one server: per layer, one pipelined round trip of GETRANGEs."""
 
     device = torch.device("cpu")
+    blocking = True
 
     def __init__(self, store: "RedisStore"):
         self.store = store
@@ -202,11 +203,29 @@ class RedisStore(ChunkStore):
         self._verified.put(chunk_id, stored)
         return stored
 
+    def put_scores(self, chunk_id: str, ranker: str, scores: torch.Tensor) -> None:
+        key, blob = self.key(chunk_id), pack_scores(chunk_id, ranker, scores, self.fingerprint)
+        self.call(lambda r: r.hset(f"{key}:scores", ranker, blob) if r.exists(key) else None)
+
+    def get_scores(self, chunk_id: str, ranker: str) -> torch.Tensor | None:
+        stored = self.get(chunk_id)
+        key = f"{self.key(chunk_id)}:scores"
+        blob = self.call(lambda r: r.hget(key, ranker)) if stored is not None else None
+        if blob is None:
+            return None
+        try:
+            return verify_scores(blob, self.fingerprint, chunk_id, ranker, int(stored.ranking.numel()))
+        except CorruptChunkError as exc:
+            log.warning("dropped bad scores %s[%s]: %s", key, ranker, exc)
+            self.call(lambda r: r.hdel(key, ranker))
+            return None
+
     def remove(self, chunk_id: str) -> None:
         key = self.key(chunk_id)
         self._verified.pop(chunk_id, None)
-        self.call(lambda r: r.delete(key))
+        self.call(lambda r: r.delete(key, f"{key}:scores"))
 
     def __len__(self) -> int:
-        keys = self.call(lambda r: sum(1 for _ in r.scan_iter(match=f"{self.namespace}:*", count=1000)))
+        keys = self.call(lambda r: sum(1 for k in r.scan_iter(match=f"{self.namespace}:*", count=1000)
+                                        if not k.endswith(b":scores")))
         return keys or 0

@@ -71,6 +71,21 @@ class TieredStore(ChunkStore):
                 raise corrupt
             return None
 
+    def put_scores(self, chunk_id: str, ranker: str, scores: torch.Tensor) -> None:
+        """Into the fastest tier and every shared one (as put), so other processes find them."""
+        for level, tier in enumerate(self.tiers):
+            if level == 0 or tier.shared:
+                tier.put_scores(chunk_id, ranker, scores)
+
+    def get_scores(self, chunk_id: str, ranker: str) -> torch.Tensor | None:
+        for level, tier in enumerate(self.tiers):
+            scores = tier.get_scores(chunk_id, ranker)
+            if scores is not None:
+                if level > 0:
+                    self.tiers[0].put_scores(chunk_id, ranker, scores)
+                return scores
+        return None
+
     def remove(self, chunk_id: str) -> None:
         with self._lock:
             for tier in self.tiers:

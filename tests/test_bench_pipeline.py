@@ -1,0 +1,73 @@
+"""Throttled media and `cachetune bench-pipeline` (the numbers themselves are benchmarks, not tests)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from cachetune.eval.bench_pipeline import VARIANTS, PipelineBenchConfig, format_pipeline_table, run_bench_pipeline
+from cachetune.eval.datasets import bundled_sample_path, load_dataset
+from cachetune.methods.layout import PromptLayout, Segment
+from cachetune.methods.prefill import selective_prefill
+from cachetune.store.disk import DiskStore
+from cachetune.store.memory import MemoryStore
+from cachetune.store.throttled import Medium, ThrottledStore
+from conftest import FINGERPRINT, tiny_engine
+from test_loading import chunk_layout, llama, select
+from test_store import FP, make_chunk
+
+
+@pytest.mark.parametrize("inner", ["memory", "disk"])
+def test_a_throttled_tier_gives_the_same_rows_no_faster_than_its_medium(inner, tmp_path) -> None:
+    medium = Medium(bandwidth=20e6, latency_s=2e-3)
+    store = ThrottledStore(MemoryStore() if inner == "memory" else DiskStore(tmp_path, FP), medium)
+    chunk = make_chunk(n=200, seed=1)
+    store.put(chunk)
+    got = store.get(chunk.chunk_id)
+    idx = chunk.ranking[50:]
+    start = time.perf_counter()
+    k, v = got.load_layer(1, idx)
+    took = time.perf_counter() - start
+    assert torch.equal(k, chunk.keys[1][idx]) and torch.equal(v, chunk.values[1][idx])
+    assert took >= medium.seconds(k.nbytes + v.nbytes)
+
+
+def test_a_prefill_from_a_throttled_tier_waits_for_its_reads_and_is_exact(tmp_path) -> None:
+    adapter = llama(3)
+    layout = chunk_layout(adapter, MemoryStore(), 3, 40)
+    medium = Medium(bandwidth=1e9, latency_s=5e-3)
+    slow = ThrottledStore(DiskStore(tmp_path, FINGERPRINT), medium)
+    segments = []
+    for seg in layout.segments:
+        if seg.cached:
+            slow.put(seg.chunk.encoded())
+            seg = Segment(seg.token_ids, slow.get(seg.chunk.chunk_id))
+        segments.append(seg)
+    selections = select(layout, "ranked", 0.2)
+    want = selective_prefill(adapter, layout, selections, layout.total)
+    start = time.perf_counter()
+    got = selective_prefill(adapter, PromptLayout(segments), selections, layout.total)
+    assert time.perf_counter() - start >= 3 * 3 * medium.latency_s  # 3 chunks x 3 layers, one read each
+    assert torch.equal(got.logits, want.logits)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk", "ssd", "matched"])
+def test_bench_pipeline_reports_every_configuration(tier, tmp_path) -> None:
+    engine = tiny_engine(self_check=False)
+    examples = load_dataset(str(bundled_sample_path()), 1)
+    cfg = PipelineBenchConfig(tier=tier, repeats=1, documents=3, disk_dir=str(tmp_path))
+    report = run_bench_pipeline(engine, examples, cfg, progress=False)
+    assert set(report["ttft_ms"]) == {*VARIANTS, "full_recompute", "load", "compute"}
+    assert all(ms > 0 for ms in report["ttft_ms"].values())
+    assert report["median_loaded_MB"] > 0
+    table = format_pipeline_table(report)
+    assert all(name in table for name in VARIANTS)
+    if tier == "matched":
+        assert report["matched_profile"]["bandwidth_MBps"] > 0
+
+
+def test_bench_pipeline_rejects_an_unknown_tier() -> None:
+    with pytest.raises(ValueError, match="tier"):
+        PipelineBenchConfig(tier="tape")
