@@ -52,6 +52,7 @@ bench-pipeline: install
 	for tier in $(PIPELINE_TIERS); do test -f results/smollm2/pipeline/$$tier.json || \
 		$(VENV)/bin/cachetune bench-pipeline --tier $$tier --limit 4 --threads 2 --redis-url $(REDIS_URL) \
 		--json results/smollm2/pipeline/$$tier.json || exit 1; done
+	$(VENV)/bin/cachetune bench-pipeline --combine results/smollm2/pipeline
 
 bench-qwen: qwen
 	$(VENV)/bin/cachetune bench --model qwen2.5-coder-1.5b --dtype bfloat16 \

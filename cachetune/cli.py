@@ -258,10 +258,18 @@ def cmd_bench_batch(args) -> int:
 
 
 def cmd_bench_pipeline(args) -> int:
-    from cachetune.eval.bench_pipeline import (PipelineBenchConfig, format_pipeline_table, plot_pipeline,
-                                               run_bench_pipeline)
+    from cachetune.eval.bench_pipeline import (TIERS, PipelineBenchConfig, format_pipeline_table,
+                                               format_summary_table, plot_pipeline, run_bench_pipeline)
     from cachetune.eval.datasets import load_dataset
 
+    if args.combine:  # the reports of earlier runs in one table and one plot
+        folder = Path(args.combine)
+        reports = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json")) if p.stem != "all"]
+        order = {tier: i for i, tier in enumerate(TIERS)}
+        reports.sort(key=lambda r: order[r["config"]["tier"]])
+        _report_out({"reports": reports}, format_summary_table(reports), str(folder / "all.json"))
+        print(f"wrote {plot_pipeline(reports, folder / 'all.png')}", file=sys.stderr)
+        return 0
     cfg = PipelineBenchConfig(tier=args.tier, ratio=EngineConfig.ratio if args.ratio is None else args.ratio,
                               repeats=args.repeats, documents=args.docs, disk_dir=args.dir, redis_url=args.redis_url)
     examples = load_dataset(args.data, args.limit)
@@ -429,7 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--repeats", type=int, default=3, help="timed runs per variant and prompt [3]")
     bp.add_argument("--dir", help="the disk tier's folder [a temporary one]")
     bp.add_argument("--redis-url", default="redis://127.0.0.1:6379", help="the redis tier's server [%(default)s]")
-    bp.add_argument("--json", help="write the report here and a .md table beside it")
+    bp.add_argument("--json", help="write the report here, a .md table and a .png plot beside it")
+    bp.add_argument("--combine", metavar="DIR", help="instead of running: the reports in DIR in one table "
+                                                     "and plot (DIR/all.md, DIR/all.png)")
     _engine_args(bp, own=("ratio",))
     bp.set_defaults(func=cmd_bench_pipeline)
 

@@ -101,7 +101,7 @@ class EngineConfig:
     max_running: int = 16           # requests decoded together in one step
     prefill_tokens_per_step: int = 16384  # prompt tokens admitted per step (at least one request)
     # -- chunk cache
-    tiers: str = "cpu:4GiB"         # chunk store, fastest first: gpu:SIZE, cpu:SIZE, disk[:PATH][:SIZE]
+    tiers: str = "cpu:4GiB"         # chunk store, fastest first: gpu:SIZE, cpu:SIZE, disk[:PATH][:SIZE], redis://HOST:PORT
     prefetch: bool = True           # load layer l+1's reused KV while layer l computes
     tracked_chunks: int = 4096      # chunks whose tokens and extra rankings the engine remembers (LRU)
     prefix_blocks: int = 4096       # KV blocks of 16 tokens the prefix cache keeps (LRU)

@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from cachetune.eval.bench_pipeline import VARIANTS, PipelineBenchConfig, format_pipeline_table, run_bench_pipeline
+from cachetune.eval.bench_pipeline import (VARIANTS, PipelineBenchConfig, format_pipeline_table, moved_layout,
+                                           run_bench_pipeline)
 from cachetune.eval.datasets import bundled_sample_path, load_dataset
-from cachetune.methods.layout import PromptLayout, Segment
 from cachetune.methods.prefill import selective_prefill
 from cachetune.store.disk import DiskStore
 from cachetune.store.memory import MemoryStore
@@ -39,16 +39,11 @@ def test_a_prefill_from_a_throttled_tier_waits_for_its_reads_and_is_exact(tmp_pa
     layout = chunk_layout(adapter, MemoryStore(), 3, 40)
     medium = Medium(bandwidth=1e9, latency_s=5e-3)
     slow = ThrottledStore(DiskStore(tmp_path, FINGERPRINT), medium)
-    segments = []
-    for seg in layout.segments:
-        if seg.cached:
-            slow.put(seg.chunk.encoded())
-            seg = Segment(seg.token_ids, slow.get(seg.chunk.chunk_id))
-        segments.append(seg)
+    moved = moved_layout(layout, slow)
     selections = select(layout, "ranked", 0.2)
     want = selective_prefill(adapter, layout, selections, layout.total)
     start = time.perf_counter()
-    got = selective_prefill(adapter, PromptLayout(segments), selections, layout.total)
+    got = selective_prefill(adapter, moved, selections, layout.total)
     assert time.perf_counter() - start >= 3 * 3 * medium.latency_s  # 3 chunks x 3 layers, one read each
     assert torch.equal(got.logits, want.logits)
 

@@ -4,7 +4,6 @@ and every pipeline setting."""
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import pytest

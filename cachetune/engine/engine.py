@@ -89,8 +89,8 @@ class Engine:
                                       config.tracked_chunks, self.store)
         self.prefix_cache = PrefixCache(max_blocks=config.prefix_blocks)
         self.extractors = ExtractorBank(self.adapter, weights_identity(self.model), self.fingerprint, self.eos_id())
-        self.context = MethodContext(self.adapter, self.rankings, self.prefix_cache, Pipeline(overlap=config.prefetch), self.store,
-                                     self.extractors)
+        self.context = MethodContext(self.adapter, self.rankings, self.prefix_cache, Pipeline(overlap=config.prefetch),
+                                     self.store, self.extractors)
         self._tokens: LRUDict[str, torch.Tensor] = LRUDict(config.tracked_chunks)  # to re-encode a lost chunk
         self.kv_bytes_per_row = kv_bytes_per_row(self.adapter.num_layers, self.adapter.num_kv_heads,
                                                  self.adapter.head_dim, self.adapter.dtype)

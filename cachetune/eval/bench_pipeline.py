@@ -100,7 +100,7 @@ def _tier_store(engine: Engine, cfg: PipelineBenchConfig, tmp: Path, medium: Med
     return MemoryStore(pinned=engine.adapter.device.type == "cuda")
 
 
-def _moved(layout: PromptLayout, store: ChunkStore) -> PromptLayout:
+def moved_layout(layout: PromptLayout, store: ChunkStore) -> PromptLayout:
     """`layout` with its chunks stored in, and read from, `store`."""
     segments = []
     for seg in layout.segments:
@@ -157,7 +157,7 @@ def matched_medium(engine: Engine, layouts: list[PromptLayout], ratio: float) ->
     """A medium whose reads of the reuse complement take as long as the forward (from a profile on
     the memory tier): bandwidth = bytes read / compute time, no latency."""
     store = MemoryStore()
-    samples = [_load_and_compute(engine, _moved(l, store), _selections(l, ratio), None) for l in layouts]
+    samples = [_load_and_compute(engine, moved_layout(l, store), _selections(l, ratio), None) for l in layouts]
     compute_s = statistics.median(s[1] for s in samples) / 1000
     nbytes = statistics.median(s[2] for s in samples)
     return Medium(nbytes / compute_s), {"compute_ms": compute_s * 1000, "bytes": nbytes,
@@ -181,7 +181,7 @@ def run_bench_pipeline(engine: Engine, examples: list[QAExample], cfg: PipelineB
         bar = tqdm(total=len(layouts) * (cfg.repeats + 1) * len(names), desc=f"bench-pipeline {cfg.tier}",
                    disable=not progress)
         for layout in layouts:
-            moved = _moved(layout, store)
+            moved = moved_layout(layout, store)
             chosen = _selections(moved, cfg.ratio)
             tokens.append(layout.total)
             runs = {n: [] for n in names}
@@ -249,3 +249,18 @@ def plot_pipeline(reports: list[dict], path: str | Path) -> Path:
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, path, "each tier: the same prompts, chunks and selections")
+
+
+def format_summary_table(reports: list[dict]) -> str:
+    """One row per tier: every configuration's median TTFT and the bars' ratios."""
+    lines = ["| tier | medium | sequential | +overlap | +sparse | +deferred_rope | full recompute | load alone | "
+             "compute alone | full / max(load, compute) | full vs sequential | full vs recompute |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in reports:
+        t, m = r["ttft_ms"], r["medium"]
+        medium = f"{m['bandwidth'] / 1e6:.0f} MB/s + {m['latency_s'] * 1e3:g} ms" if m else ""
+        cells = [f"{t[n]:.0f}" for n in (*VARIANTS, "full_recompute", "load", "compute")]
+        lines.append(f"| {r['config']['tier']} | {medium} | " + " | ".join(cells) +
+                     f" | {r['full_over_max_load_compute']:.2f} | {r['speedup_over_sequential'][FULL]:.2f}x"
+                     f" | {r['speedup_over_full_recompute'][FULL]:.2f}x |")
+    return "\n".join(lines)

@@ -22,11 +22,10 @@ team spinning on the same cores (measured: overlap then cost 70% more than it hi
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -120,14 +119,11 @@ class _Group:
     reader: RangeReader | None
     on_host: bool
     blocking: bool = False  # its reads wait on storage (disk, network, a throttled medium)
-    spans: list = None   # (source, lo, hi) rank ranges, or (source, local indices) without a reader
-    dest: list = None    # [n] cache rows of the staged rows, per span
-    keep: list = None    # [n] the span's reused rows among the group's staged rows
+    spans: list = field(default_factory=list)  # (source, lo, hi) rank ranges, or (source, local indices)
+    dest: list = field(default_factory=list)   # [n] cache rows of the staged rows, per span
+    keep: list = field(default_factory=list)   # [n] the span's reused rows among the group's staged rows
     rows: int = 0
     read: ReadFn | None = None
-
-    def __post_init__(self) -> None:
-        self.spans, self.dest, self.keep = [], [], []
 
 
 class LayerLoader:
@@ -210,6 +206,8 @@ class LayerLoader:
         """forward.ReusedKV: called before layer(0). With deferred RoPE the loader rotates the keys
         itself and returns True; otherwise the forward rotates them."""
         self._rotate = rotate if self.pipeline.deferred_rope else None
+        if self._stream is not None:  # what the forward's stream made so far (RoPE tables, indices) comes first
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         if self._worker is not None and self._groups:  # layer 0 starts loading while the forward sets up
             job = (self._read, 0, 0) if self._cuda else (self._fetch, 0, 0, True)
             self._pending[0] = self._worker.submit(*job)

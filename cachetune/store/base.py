@@ -28,6 +28,12 @@ class StoredChunk(ABC):
 
     reader = None            # runtime.loading.RangeReader of this tier (None: load_layer per chunk)
 
+    def take_metadata(self, source) -> None:
+        """Copy id, tokens, ranking, scores, ranker, positions and variant from `source` (an
+        EncodedChunk, a verified blob's BlobMeta, another StoredChunk)."""
+        for name in ("chunk_id", "token_ids", "ranking", "scores", "ranker", "positions", "variant"):
+            setattr(self, name, getattr(source, name))
+
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.numel())
@@ -78,8 +84,7 @@ class LocalChunk(StoredChunk):
 
     def __init__(self, chunk: EncodedChunk):
         self.chunk = chunk
-        self.chunk_id, self.token_ids, self.ranking = chunk.chunk_id, chunk.token_ids, chunk.ranking
-        self.scores, self.ranker, self.positions, self.variant = chunk.scores, chunk.ranker, chunk.positions, chunk.variant
+        self.take_metadata(chunk)
 
     @property
     def num_layers(self) -> int:

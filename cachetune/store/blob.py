@@ -25,7 +25,7 @@ from safetensors.torch import save
 
 from cachetune.chunks.encode import ENCODING_VERSION, EncodedChunk, chunk_id
 from cachetune.chunks.ranking import ranking_from_scores
-from cachetune.store.base import CorruptChunkError
+from cachetune.store.base import CorruptChunkError, StoredChunk
 
 FORMAT = "cachetune-chunk/4"  # /3 kept keys and values apart and left the metadata out of the checksum
 MAX_HEADER = 1 << 24          # a header longer than this is not one of ours (it holds ~5 small tensors)
@@ -85,6 +85,22 @@ class BlobMeta:
     ranker: str
     variant: str
     layout: BlobLayout
+
+
+class BlobChunk(StoredChunk):
+    """A stored chunk whose rows lie in a blob (a disk file, a Redis value) as `layout` says."""
+
+    def __init__(self, meta: BlobMeta):
+        self.layout = meta.layout
+        self.take_metadata(meta)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layout.layers
+
+    @property
+    def row_dtype(self) -> torch.dtype:
+        return self.layout.dtype
 
 
 def pack(chunk: EncodedChunk, fingerprint: str) -> bytes:

@@ -23,8 +23,8 @@ import torch
 
 from cachetune.chunks.encode import EncodedChunk
 from cachetune.lru import LRUDict
-from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
-from cachetune.store.blob import (FORMAT, ID_PATTERN, MAX_HEADER, BlobMeta, ModelShape, check_id, pack, pack_scores,
+from cachetune.store.base import ChunkStore, CorruptChunkError
+from cachetune.store.blob import (FORMAT, ID_PATTERN, MAX_HEADER, BlobChunk, BlobMeta, ModelShape, check_id, pack, pack_scores,
                                   verify, verify_scores)
 
 __all__ = ["FORMAT", "DiskChunk", "DiskStore"]
@@ -76,26 +76,16 @@ class DiskReader:
 DISK_READER = DiskReader()
 
 
-class DiskChunk(StoredChunk):
+class DiskChunk(BlobChunk):
     """A verified chunk file, held open (one descriptor, no mapping) for positioned reads of its rows."""
 
     def __init__(self, path: Path, fd: int, identity: tuple, meta: BlobMeta):
         self._fd = -1  # owned only once construction has succeeded (the opener closes it otherwise)
-        self.path, self.identity, self.layout = path, identity, meta.layout
-        self.chunk_id = meta.chunk_id
-        self.token_ids, self.ranking, self.scores = meta.token_ids, meta.ranking, meta.scores
-        self.ranker, self.variant, self.positions = meta.ranker, meta.variant, meta.positions
+        super().__init__(meta)
+        self.path, self.identity = path, identity
         self._fd = fd
 
     reader = DISK_READER
-
-    @property
-    def num_layers(self) -> int:
-        return self.layout.layers
-
-    @property
-    def row_dtype(self) -> torch.dtype:
-        return self.layout.dtype
 
     def fileno(self) -> int:
         if self._fd < 0:

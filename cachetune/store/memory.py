@@ -74,8 +74,7 @@ class MemoryChunk(StoredChunk):
     """A chunk in an arena: `rows_at` [R] is the arena row of each rank."""
 
     def __init__(self, chunk: EncodedChunk, arena: RowArena, rows_at: torch.Tensor, reader: ArenaReader):
-        self.chunk_id, self.token_ids, self.ranking = chunk.chunk_id, chunk.token_ids, chunk.ranking
-        self.scores, self.ranker, self.positions, self.variant = chunk.scores, chunk.ranker, chunk.positions, chunk.variant
+        self.take_metadata(chunk)
         self.arena, self.rows_at, self.reader = arena, rows_at, reader
         self.more_scores: dict[str, torch.Tensor] = {}  # other rankers' scores (put_scores)
         weakref.finalize(self, arena.release, rows_at)  # its rows are free once no request holds it

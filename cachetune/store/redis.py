@@ -24,8 +24,8 @@ import torch
 
 from cachetune.chunks.encode import EncodedChunk
 from cachetune.lru import LRUDict
-from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
-from cachetune.store.blob import BlobMeta, ModelShape, check_id, pack, pack_scores, verify, verify_scores
+from cachetune.store.base import ChunkStore, CorruptChunkError
+from cachetune.store.blob import BlobChunk, BlobMeta, ModelShape, check_id, pack, pack_scores, verify, verify_scores
 from cachetune.store.disk import byte_view
 
 log = logging.getLogger(__name__)
@@ -46,22 +46,12 @@ def _redis():
     return redis
 
 
-class RedisChunk(StoredChunk):
+class RedisChunk(BlobChunk):
     """A verified chunk on the server, read by rank ranges."""
 
     def __init__(self, store: "RedisStore", key: str, meta: BlobMeta):
-        self.store, self.key, self.layout = store, key, meta.layout
-        self.chunk_id, self.token_ids, self.ranking = meta.chunk_id, meta.token_ids, meta.ranking
-        self.scores, self.ranker, self.variant, self.positions = meta.scores, meta.ranker, meta.variant, meta.positions
-        self.reader = store.reader
-
-    @property
-    def num_layers(self) -> int:
-        return self.layout.layers
-
-    @property
-    def row_dtype(self) -> torch.dtype:
-        return self.layout.dtype
+        super().__init__(meta)
+        self.store, self.key, self.reader = store, key, store.reader
 
     def load_layer(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ranks = self.rank_of[indices.cpu()]

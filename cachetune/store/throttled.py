@@ -64,8 +64,7 @@ class ThrottledReader:
 class ThrottledChunk(StoredChunk):
     def __init__(self, inner: StoredChunk, store: "ThrottledStore"):
         self.inner, self.medium = inner, store.medium
-        self.chunk_id, self.token_ids, self.ranking = inner.chunk_id, inner.token_ids, inner.ranking
-        self.scores, self.ranker, self.positions, self.variant = inner.scores, inner.ranker, inner.positions, inner.variant
+        self.take_metadata(inner)
         self.reader = store.reader_for(inner.reader) if inner.reader is not None else None
         k, _ = inner.load_layer(0, inner.ranking[:1])
         self.row_bytes = 2 * k[0].numel() * k.element_size()  # one row of one layer, K and V
