@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -66,8 +67,12 @@ class ThrottledChunk(StoredChunk):
         self.inner, self.medium = inner, store.medium
         self.take_metadata(inner)
         self.reader = store.reader_for(inner.reader) if inner.reader is not None else None
-        k, _ = inner.load_layer(0, inner.ranking[:1])
-        self.row_bytes = 2 * k[0].numel() * k.element_size()  # one row of one layer, K and V
+
+    @cached_property
+    def row_bytes(self) -> int:
+        """Bytes of one row of one layer, K and V (from one row, read once, on first need)."""
+        k, _ = self.inner.load_layer(0, self.inner.ranking[:1])
+        return 2 * k[0].numel() * k.element_size()
 
     @property
     def num_layers(self) -> int:
