@@ -1,5 +1,5 @@
-"""Command line: `ask` answers over documents, `eval` / `bench` compare methods, `bench-batch` measures
-concurrent serving, `analyze` probes. Every command that runs the engine takes one flag per
+"""Command line: `ask` answers over documents, `serve` runs the HTTP server, `eval` / `bench` compare
+methods, `bench-batch` measures concurrent serving, `bench-serve` a running server, `analyze` probes. Every command that runs the engine takes one flag per
 EngineConfig field (derived from the dataclass, so a new setting is a new flag) plus `--config`."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import typing
 from dataclasses import replace
@@ -29,13 +30,18 @@ def _engine_args(p: argparse.ArgumentParser, own: tuple[str, ...] = ()) -> None:
     """--config plus one flag per EngineConfig field, except `own` fields the command defines itself
     (their values still reach the config)."""
     p.add_argument("--config", help="EngineConfig as .json or .toml; the flags below override it")
-    group = p.add_argument_group("engine", "EngineConfig fields (defaults in brackets)")
-    hints = typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
+    _field_args(p, EngineConfig, "engine", own)
+
+
+def _field_args(p: argparse.ArgumentParser, cls, title: str, own: tuple[str, ...] = ()) -> None:
+    """One flag per field of the config dataclass `cls` (help from its comments)."""
+    group = p.add_argument_group(title, f"{cls.__name__} fields (defaults in brackets)")
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
         if f.name in own:
             continue
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{EngineConfig.help(f.name)} [{f.default}]"
+        help_text = f"{cls.help(f.name)} [{f.default}]"
         kind = _flag_type(hints[f.name])
         if kind is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
@@ -70,6 +76,34 @@ def cmd_ask(args) -> int:
     print(out.text)
     print(f"[{out.method} r={out.ratio:g}] TTFT {out.ttft_ms:.0f} ms, prompt {out.prompt_tokens} tokens, "
           f"recomputed {out.recomputed_tokens} chunk tokens", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from cachetune.config import ServerConfig
+    from cachetune.server.app import serve
+
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if getattr(args, f.name) is not None}
+    if "api_key" not in fields and os.environ.get("CACHETUNE_API_KEY"):  # kept out of `ps` listings
+        fields["api_key"] = os.environ["CACHETUNE_API_KEY"]
+    server = ServerConfig(**fields)
+    serve(_engine(args), server, log_level=args.log_level)
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    from cachetune.eval.bench_serve import ServeBenchConfig, format_table, run_bench_serve, write_report
+
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    config = ServeBenchConfig(url=args.url, methods=methods, rates=_floats(args.rates),
+                              requests_per_rate=args.requests_per_rate, max_seconds_per_rate=args.max_seconds,
+                              slo_ms=args.slo_ms, slo_percentile=args.slo_percentile, max_tokens=args.max_tokens,
+                              data=args.data, docs_per_prompt=args.docs, prompts=args.prompts, seed=args.seed,
+                              api_key=args.api_key, ratio=args.ratio)
+    report = run_bench_serve(config)
+    print(format_table(report))
+    for path in write_report(report, args.out):
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
@@ -442,6 +476,36 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "and plot (DIR/all.md, DIR/all.png)")
     _engine_args(bp, own=("ratio",))
     bp.set_defaults(func=cmd_bench_pipeline)
+
+    sv = sub.add_parser("serve", help="the OpenAI-compatible server (documents, chat and text completions, metrics)")
+    sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    from cachetune.config import ServerConfig
+
+    _field_args(sv, ServerConfig, "server")
+    _engine_args(sv)
+    sv.set_defaults(func=cmd_serve)
+
+    from cachetune.eval.bench_serve import METHODS, ServeBenchConfig as SB
+
+    bs = sub.add_parser("bench-serve", help="TTFT against Poisson request rate, per method, of a running server "
+                                            "(paper Figure 4; loopback only)")
+    bs.add_argument("--url", default=SB.url, help="[%(default)s]")
+    bs.add_argument("--methods", default=",".join(METHODS), help="comma-separated [%(default)s]")
+    bs.add_argument("--rates", default=",".join(f"{r:g}" for r in SB.rates), help="requests/s [%(default)s]")
+    bs.add_argument("--requests-per-rate", type=int, default=SB.requests_per_rate, help="[%(default)s]")
+    bs.add_argument("--max-seconds", type=float, default=SB.max_seconds_per_rate,
+                    help="per rate: stop sending and cancel after this [%(default)s]")
+    bs.add_argument("--slo-ms", type=float, default=SB.slo_ms, help="TTFT SLO [%(default)s]")
+    bs.add_argument("--slo-percentile", type=float, default=SB.slo_percentile, help="[%(default)s]")
+    bs.add_argument("--max-tokens", type=int, default=SB.max_tokens, help="[%(default)s]")
+    bs.add_argument("--data", default=SB.data, help="dataset name or file [%(default)s]")
+    bs.add_argument("--docs", type=int, default=SB.docs_per_prompt, help="documents per prompt (0: all)")
+    bs.add_argument("--prompts", type=int, default=SB.prompts, help="examples cycled through [%(default)s]")
+    bs.add_argument("--seed", type=int, default=SB.seed)
+    bs.add_argument("--api-key", help="bearer key of the server")
+    bs.add_argument("--ratio", type=float, help="recompute share sent with every request (default: the server's)")
+    bs.add_argument("--out", default="results/serve", help="writes bench_serve.json, .md, ttft_vs_rate.png here")
+    bs.set_defaults(func=cmd_bench_serve)
 
     an = sub.add_parser("analyze", help="the paper's analyses: drift recall, spectrum, attention, sweeps, robustness")
     an.add_argument("analysis", choices=ANALYSES)

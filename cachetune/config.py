@@ -1,4 +1,5 @@
-"""EngineConfig: the one validated source of every engine default, loadable from a JSON or TOML file.
+"""EngineConfig and ServerConfig: the one validated source of every engine and server default;
+EngineConfig loads from a JSON or TOML file.
 
 This module sits at the bottom of the package (it imports nothing from cachetune), so every layer can
 read its defaults from here: method settings take `ratio` and `ranking` from the engine's config, the
@@ -174,13 +175,45 @@ class EngineConfig:
         return _FIELD_HELP.get(name, "")
 
 
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of `cachetune serve` (the engine's own are its EngineConfig)."""
+
+    host: str = "127.0.0.1"         # address to listen on; the default, loopback, admits only this machine
+    port: int = 8000                # TCP port
+    api_key: str | None = None      # when set, every /v1 call must send "Authorization: Bearer <key>"
+    served_model_name: str | None = None  # the model id /v1/models lists; None: the engine's model name
+    max_queue: int = 64             # requests waiting for the engine; past it new ones get 429 + Retry-After
+    max_body_bytes: int = 8 * 2**20  # a larger request body gets 413
+    max_prompt_tokens: int | None = None  # longest prompt served (413 past it); None: the model's context window
+    max_tokens: int = 2048          # the most new tokens one request may ask for
+    max_documents: int = 64         # documents in one request or one registration
+    retry_after_s: int = 1          # Retry-After (seconds) sent with a 429 or 503
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        for name in ("max_queue", "max_body_bytes", "max_prompt_tokens", "max_tokens", "max_documents",
+                     "retry_after_s"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must be a non-empty string or None")
+
+    @classmethod
+    def help(cls, name: str) -> str:
+        return _FIELD_HELP.get(name, "")
+
+
 def _allowed(annotation) -> tuple[type, ...]:
     """The runtime types an annotation like `int | None` allows (bool is never an int here)."""
     args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
     return tuple(type(None) if a is None else a for a in args)
 
 
-def _check_types(config: EngineConfig) -> None:
+def _check_types(config) -> None:
     hints = typing.get_type_hints(type(config))
     for f in dataclasses.fields(config):
         value, allowed = getattr(config, f.name), _allowed(hints[f.name])
@@ -201,7 +234,7 @@ def _field_comments() -> dict[str, str]:
 
     out = {}
     try:
-        source = inspect.getsource(EngineConfig)
+        source = inspect.getsource(EngineConfig) + inspect.getsource(ServerConfig)
     except OSError:  # installed without sources: flags just lack help text
         return out
     for line in source.splitlines():

@@ -194,6 +194,15 @@ def test_every_registered_method_serves_through_the_step_loop(engine, method):
     assert 0 <= out.recomputed_tokens <= sum(DOC_SIZES[:2])
 
 
+@pytest.mark.parametrize("method", method_names())
+def test_every_registered_method_serves_a_prompt_without_cached_chunks_as_full_prefill(engine, method):
+    spec = f"{method}:step0" if method in TRAINED else method
+    sampling = SamplingConfig(max_new_tokens=3)
+    out = engine.generate([], words(5, 11), method=spec, sampling=sampling)
+    assert out.token_ids == engine.generate([], words(5, 11), method="full_recompute", sampling=sampling).token_ids
+    assert out.recomputed_tokens == 0
+
+
 def test_threads_calling_generate_at_once_are_served_correctly(engine):
     ids = _docs(engine)
     alone = [_alone(engine, ids, spec) for spec in MIXED[:4]]

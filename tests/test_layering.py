@@ -17,7 +17,7 @@ LAYERS = [
     {"store"},
     {"methods"},
     {"engine"},
-    {"eval", "train"},
+    {"eval", "train", "server"},
     {"cli"},
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

@@ -184,6 +184,20 @@ class Engine:
                 raise KeyError(f"chunk {cid} is not in the store; cache its text with cache_chunk() first")
             return stored
 
+    def find_chunk(self, cid: str) -> StoredChunk | None:
+        """The stored chunk, or None when no tier holds it intact (nothing is encoded)."""
+        with self._lock:
+            return self._lookup(cid)
+
+    def remove_chunk(self, cid: str) -> bool:
+        """Forget a chunk in every tier (shared ones too); False when none held it. Requests already
+        holding it keep their handle."""
+        with self._lock:
+            present = self._lookup(cid) is not None
+            self.store.remove(cid)
+            self._tokens.pop(cid)
+            return present
+
     def _encode(self, token_ids: torch.Tensor):
         self.chunks_encoded += 1
         ranker = self.rankings.ranker()
@@ -211,7 +225,8 @@ class Engine:
     def prompt_from(self, before: torch.Tensor, chunks: Sequence[str], after: torch.Tensor) -> PromptLayout:
         """A prompt of uncached token ids `before`, the cached `chunks` in order, and `after`."""
         stored = [self.chunk(cid) for cid in chunks]
-        return PromptLayout([Segment(before), *(Segment(c.token_ids, c) for c in stored), Segment(after)])
+        head = [Segment(before)] if before.numel() else []  # a bare completion prompt has nothing before
+        return PromptLayout([*head, *(Segment(c.token_ids, c) for c in stored), Segment(after)])
 
     def method(self, spec: str | Method | None = None, ratio: float | None = None,
                ranking: str | None = None) -> Method:

@@ -19,9 +19,13 @@ DEFAULT_SYSTEM = (
     "Only give me the answer and do not output any other words."
 )
 QUESTION_LABEL = "Question: "
+DOCUMENT_SEPARATOR = "\n\n"  # appended to every document so chunks read as separate passages
+CHAT_ROLES = ("system", "user", "assistant")
 _DOCUMENTS = "\u2063CACHETUNE_DOCUMENTS\u2063"
-_SYSTEM = "\u2063CACHETUNE_SYSTEM\u2063"
-_QUESTION = "\u2063CACHETUNE_QUESTION\u2063"
+
+
+def _marker(i: int) -> str:
+    return f"\u2063CACHETUNE_MESSAGE_{i}\u2063"
 
 
 @dataclass
@@ -63,13 +67,26 @@ class PromptTemplate:
         if not getattr(self.tokenizer, "chat_template", None):
             after = f"{question_text}\nAnswer:" if label else question_text
             return self.encode(f"{system}\n\n"), self.encode(after)
-        messages = [
-            {"role": "system", "content": _SYSTEM},
-            {"role": "user", "content": _DOCUMENTS + _QUESTION},
-        ]
-        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.chat([("system", system), ("user", question_text)])
+
+    def chat(self, messages: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids before and after the documents of a conversation [(role, content)], roles in
+        CHAT_ROLES. The documents open the first user message; every content is user text. Without a
+        chat template: the system contents, then the documents, then the other contents, one a line."""
+        roles = [role for role, _ in messages]
+        if any(role not in CHAT_ROLES for role in roles) or "user" not in roles:
+            raise ValueError(f"a conversation needs a user message and roles among {', '.join(CHAT_ROLES)}")
+        if not getattr(self.tokenizer, "chat_template", None):
+            system = "\n\n".join(c for r, c in messages if r == "system")
+            rest = "\n".join(c for r, c in messages if r != "system")
+            return self.encode(f"{system}\n\n" if system else ""), self.encode(rest)
+        first_user = roles.index("user")
+        values = {_marker(i): content for i, (_, content) in enumerate(messages)}
+        rendered = self.tokenizer.apply_chat_template(
+            [{"role": role, "content": (_DOCUMENTS if i == first_user else "") + _marker(i)}
+             for i, role in enumerate(roles)],
+            tokenize=False, add_generation_prompt=True)
         before, sep, after = rendered.partition(_DOCUMENTS)
-        if not sep or rendered.count(_SYSTEM) != 1 or _QUESTION not in after:
-            raise ValueError("the chat template dropped or moved the user message; cannot place documents")
-        values = {_SYSTEM: system, _QUESTION: question_text}
+        if not sep or any(rendered.count(m) != 1 for m in values) or _marker(first_user) not in after:
+            raise ValueError("the chat template dropped or moved a message; cannot place documents")
         return self._fill(before, values), self._fill(after, values)

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from cachetune.config import EngineConfig
 from cachetune.engine.engine import Engine
-from cachetune.engine.prompt import DEFAULT_SYSTEM, QUESTION_LABEL
+from cachetune.engine.prompt import DEFAULT_SYSTEM, DOCUMENT_SEPARATOR, QUESTION_LABEL  # noqa: F401 - re-exported
 from cachetune.eval.datasets import QAExample
 from cachetune.eval.metrics import kl_to_reference, score_answer, top1_agreement
 from cachetune.kvlink.links import LinkTokens
@@ -34,7 +34,6 @@ from cachetune.methods import Prefill, PromptLayout, Segment, is_method, method_
 from cachetune.methods.full_recompute import FULL_RECOMPUTE, PREFIX
 from cachetune.runtime.decode import SamplingConfig, generate_tokens
 
-DOCUMENT_SEPARATOR = "\n\n"  # appended to every document so chunks read as separate passages
 TASK_SYSTEM = {
     "qa": DEFAULT_SYSTEM,
     "summarization": "Follow the instruction after the given texts. Only give the summary.",

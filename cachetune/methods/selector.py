@@ -66,6 +66,8 @@ def split_global_top(scores: list[torch.Tensor], ratio: float) -> list[torch.Ten
     scores: one [N_i] tensor per chunk. Online methods select one shared budget across the context, so
     a chunk the query cares about can take more than `ratio` of its own tokens.
     """
+    if not scores:  # a prompt without cached chunks
+        return []
     flat = torch.cat([s.float().cpu() for s in scores])
     chosen = top_share(torch.sort(flat, descending=True, stable=True).indices, ratio)
     out, start = [], 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -101,6 +102,15 @@ class LocalChunk(StoredChunk):
         return self.chunk
 
 
+class TierStats(NamedTuple):
+    """Counters of one tier since the store opened (what the server's /metrics reports per tier)."""
+
+    tier: str        # its kind: gpu, cpu, disk, redis
+    hits: int        # lookups it answered
+    bytes_read: int  # K/V bytes read from it
+    errors: int      # calls that failed (an unreachable server)
+
+
 class ChunkStore(ABC):
     """Maps chunk ids to stored chunks for one model.
 
@@ -114,6 +124,14 @@ class ChunkStore(ABC):
 
     shared: bool = False
     on_evict: Callable[[StoredChunk], None] | None = None
+    kind: str = "store"  # the tier kind stats() reports
+    hits: int = 0        # gets that found the chunk
+    errors: int = 0
+    reader = None        # the tier's RangeReader (it counts bytes_read)
+
+    def stats(self) -> list[TierStats]:
+        """One entry per tier, fastest first (a single store is one tier)."""
+        return [TierStats(self.kind, self.hits, getattr(self.reader, "bytes_read", 0), self.errors)]
 
     def put_evicted(self, stored: StoredChunk) -> None:
         """Take a chunk another tier evicted (a no-op when it is already here)."""

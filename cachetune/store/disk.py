@@ -62,6 +62,9 @@ class DiskReader:
     device = torch.device("cpu")
     blocking = True
 
+    def __init__(self):
+        self.bytes_read = 0
+
     def plan(self, spans):
         def read(layer: int, out: torch.Tensor) -> None:
             view, at = byte_view(out), 0
@@ -69,23 +72,19 @@ class DiskReader:
                 offset, length = chunk.layout.span(layer, lo, hi)
                 read_exact(chunk.fileno(), offset, view[at: at + length])
                 at += length
+            self.bytes_read += at
 
         return read
-
-
-DISK_READER = DiskReader()
 
 
 class DiskChunk(BlobChunk):
     """A verified chunk file, held open (one descriptor, no mapping) for positioned reads of its rows."""
 
-    def __init__(self, path: Path, fd: int, identity: tuple, meta: BlobMeta):
+    def __init__(self, path: Path, fd: int, identity: tuple, meta: BlobMeta, reader: DiskReader):
         self._fd = -1  # owned only once construction has succeeded (the opener closes it otherwise)
         super().__init__(meta)
-        self.path, self.identity = path, identity
+        self.path, self.identity, self.reader = path, identity, reader
         self._fd = fd
-
-    reader = DISK_READER
 
     def fileno(self) -> int:
         if self._fd < 0:
@@ -98,6 +97,7 @@ class DiskChunk(BlobChunk):
         lay = self.layout
         out = torch.empty(hi - lo, 2, lay.kv_heads, lay.head_dim, dtype=lay.dtype) if out is None else out
         read_exact(self._fd, offset, byte_view(out))
+        self.reader.bytes_read += out.nbytes
         return out
 
     def load_layer(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,6 +126,7 @@ class DiskStore(ChunkStore):
     file when given."""
 
     shared = True
+    kind = "disk"
 
     def __init__(self, root: str | Path, fingerprint: str, max_open: int = 256, shape: ModelShape | None = None,
                  max_bytes: int | None = None):
@@ -133,6 +134,7 @@ class DiskStore(ChunkStore):
             raise ValueError(f"max_bytes must be a positive integer or None, got {max_bytes!r}")
         self.fingerprint, self.shape, self.max_bytes = fingerprint, shape, max_bytes
         self.root = Path(root) / fingerprint[:16]
+        self.reader = DiskReader()
         self.root.mkdir(parents=True, exist_ok=True)
         self._verified: LRUDict[str, DiskChunk] = LRUDict(max_open)
         self._lock = threading.Lock()
@@ -233,6 +235,7 @@ class DiskStore(ChunkStore):
                 self._sizes[chunk_id] = now[2]
         cached = self._verified.get(chunk_id)
         if cached is not None and cached.identity == now:
+            self.hits += 1
             return cached
         self._verified.pop(chunk_id, None)  # changed since it was verified (or never was)
         try:
@@ -243,6 +246,7 @@ class DiskStore(ChunkStore):
                 self._sizes.pop(chunk_id, None)
             raise
         self._verified.put(chunk_id, stored)
+        self.hits += 1
         return stored
 
     def _open_verified(self, path: Path, expected_id: str) -> DiskChunk:
@@ -263,7 +267,7 @@ class DiskStore(ChunkStore):
                 meta = verify(blob, self.fingerprint, expected_id, self.shape)
             except CorruptChunkError as exc:
                 raise CorruptChunkError(f"{path}: {exc}") from None
-            return DiskChunk(path, fd, _identity(st), meta)
+            return DiskChunk(path, fd, _identity(st), meta, self.reader)
         except BaseException:
             os.close(fd)
             raise

@@ -60,12 +60,14 @@ class ArenaReader:
 
     def __init__(self, arena: RowArena):
         self.arena, self.device = arena, arena.kv.device
+        self.bytes_read = 0
 
     def plan(self, spans):
         index = torch.cat([chunk.rows_at[lo:hi] for chunk, lo, hi in spans])
 
         def read(layer: int, out: torch.Tensor) -> None:
             torch.index_select(self.arena.kv[layer], 0, index, out=out)
+            self.bytes_read += out.nbytes
 
         return read
 
@@ -93,6 +95,7 @@ class MemoryChunk(StoredChunk):
 
     def load_layer(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self.arena.kv[layer].index_select(0, self.rows_at[self.rank_of[indices.cpu()].to(self.rows_at.device)])
+        self.reader.bytes_read += kv.nbytes
         return kv[:, 0], kv[:, 1]
 
     def encoded(self) -> EncodedChunk:
@@ -112,8 +115,9 @@ class MemoryStore(ChunkStore):
         self.max_bytes = max_bytes
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.pinned = pinned
+        self.kind = "gpu" if self.device.type == "cuda" else "cpu"
         self._arena: RowArena | None = None
-        self._reader: ArenaReader | None = None
+        self.reader: ArenaReader | None = None
         self._chunks: OrderedDict[str, MemoryChunk] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -130,7 +134,7 @@ class MemoryStore(ChunkStore):
             row_bytes = 2 * shape[0] * shape[1] * shape[2] * shape[3].itemsize
             self._arena = RowArena(*shape, capacity=self.max_bytes // row_bytes, device=self.device,
                                    pinned=self.pinned)
-            self._reader = ArenaReader(self._arena)
+            self.reader = ArenaReader(self._arena)
         if self._arena.shape != shape:
             raise ValueError(f"chunk K/V {shape} do not match this tier's {self._arena.shape}")
         return self._arena
@@ -162,7 +166,7 @@ class MemoryStore(ChunkStore):
             if rows_at is None:
                 return  # rows still held by requests reading evicted chunks: not kept this time
             arena.kv.index_copy_(1, rows_at, data)
-            stored = MemoryChunk(chunk, arena, rows_at, self._reader)
+            stored = MemoryChunk(chunk, arena, rows_at, self.reader)
             self._chunks[chunk.chunk_id] = stored
             self._bytes += stored.nbytes
 
@@ -171,6 +175,7 @@ class MemoryStore(ChunkStore):
             stored = self._chunks.get(chunk_id)
             if stored is not None:
                 self._chunks.move_to_end(chunk_id)
+                self.hits += 1
             return stored
 
     def put_scores(self, chunk_id: str, ranker: str, scores: torch.Tensor) -> None:

@@ -84,6 +84,7 @@ class RedisReader:
 
     def __init__(self, store: "RedisStore"):
         self.store = store
+        self.bytes_read = 0
 
     def plan(self, spans):
         def read(layer: int, out: torch.Tensor) -> None:
@@ -103,6 +104,7 @@ class RedisReader:
                     raise TierUnavailableError(f"redis value {key} is gone or short ({len(value)} of {length} bytes)")
                 view[at: at + length] = value
                 at += length
+            self.bytes_read += at
 
         return read
 
@@ -113,6 +115,7 @@ class RedisStore(ChunkStore):
     `max_open` verified handles are kept per process; `errors` counts calls that failed."""
 
     shared = True
+    kind = "redis"
 
     def __init__(self, url: str, fingerprint: str, shape: ModelShape | None = None, prefix: str = "cachetune",
                  max_open: int = 4096):
@@ -178,6 +181,7 @@ class RedisStore(ChunkStore):
         if cached is not None:
             present = self.call(lambda r: r.exists(key))
             if present:
+                self.hits += 1
                 return cached
             self._verified.pop(chunk_id, None)  # evicted by the server, or the server is down
             return None
@@ -191,6 +195,7 @@ class RedisStore(ChunkStore):
             raise CorruptChunkError(f"redis value {key}: {exc}") from None
         stored = RedisChunk(self, key, meta)
         self._verified.put(chunk_id, stored)
+        self.hits += 1
         return stored
 
     def put_scores(self, chunk_id: str, ranker: str, scores: torch.Tensor) -> None:

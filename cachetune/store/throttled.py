@@ -104,7 +104,7 @@ class ThrottledStore(ChunkStore):
 
     def __init__(self, inner: ChunkStore, medium: Medium):
         self.inner, self.medium = inner, medium
-        self.shared = inner.shared
+        self.shared, self.kind = inner.shared, inner.kind
         self._readers: dict[int, ThrottledReader] = {}
 
     def reader_for(self, inner_reader) -> ThrottledReader:
@@ -130,6 +130,9 @@ class ThrottledStore(ChunkStore):
 
     def remove(self, chunk_id: str) -> None:
         self.inner.remove(chunk_id)
+
+    def stats(self):
+        return self.inner.stats()
 
     def __len__(self) -> int:
         return len(self.inner)

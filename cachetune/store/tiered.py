@@ -24,7 +24,7 @@ import torch
 
 from cachetune.chunks.encode import EncodedChunk
 from cachetune.config import TierSpec
-from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
+from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk, TierStats
 from cachetune.store.blob import ModelShape
 from cachetune.store.disk import DiskStore
 from cachetune.store.memory import MemoryStore
@@ -90,6 +90,11 @@ class TieredStore(ChunkStore):
         with self._lock:
             for tier in self.tiers:
                 tier.remove(chunk_id)
+
+    def stats(self) -> list[TierStats]:
+        """Per tier: the gets it answered for this chain (a promoted chunk's re-read not counted)."""
+        return [TierStats(own.tier, hits, own.bytes_read, own.errors)
+                for hits, own in zip(self.hits, (tier.stats()[0] for tier in self.tiers))]
 
     def __len__(self) -> int:
         return len(self.tiers[0])
