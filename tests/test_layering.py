@@ -79,8 +79,8 @@ def test_the_layering_check_reports_upward_and_unknown_imports(tmp_path):
     (tmp_path / "runtime" / "probe.py").write_text("def f():\n    from ..engine.engine import Engine\n")
     (tmp_path / "chunks").mkdir()
     (tmp_path / "chunks" / "ok.py").write_text("from cachetune.runtime.forward import forward_active\n")
-    (tmp_path / "server.py").write_text("import os\n")
+    (tmp_path / "web.py").write_text("import os\n")
     assert layering_violations(tmp_path) == [
         "runtime/probe.py:2 (runtime) imports cachetune.engine.engine (engine, above)",
-        "server.py: package 'server' has no layer in LAYERS",
+        "web.py: package 'web' has no layer in LAYERS",
     ]

@@ -18,7 +18,8 @@ from conftest import VOCAB, build_model, tiny_engine, word_tokenizer, words
 from cachetune.config import EngineConfig, ServerConfig
 from cachetune.engine.engine import Engine
 from cachetune.model.loader import LoadedModel
-from cachetune.server.app import BackgroundServer, build_app
+from cachetune.server.app import build_app
+from cachetune.server.http import BackgroundServer
 
 
 class Served:
@@ -162,6 +163,11 @@ def test_documents_in_another_order_are_served_and_reuse_their_cache(served):
     ({"messages": []}, 422, "messages"),
     ({"messages": [{"role": "user", "content": "w1"}], "ratio": 2}, 422, "ratio"),
     ({"messages": [{"role": "user", "content": "w1"}], "n": 2}, 422, "n"),
+    ({"messages": [{"role": "user", "content": "w1"}], "frequency_penalty": 0.5}, 422, "frequency_penalty"),
+    ({"messages": [{"role": "user", "content": "w1"}], "logprobs": True}, 422, "logprobs"),
+    ({"messages": [{"role": "user", "content": "w1"}], "tools": [{"type": "function"}]}, 422, "tools"),
+    ({"messages": [{"role": "user", "content": "w1"}], "response_format": {"type": "json_object"}}, 422,
+     "response_format"),
     ({"messages": [{"role": "user", "content": "w1"}], "documents": [7]}, 422, "documents[0]"),
     ({"messages": [{"role": "user", "content": "w1"}], "method": "nope"}, 400, "method"),
     ({"messages": [{"role": "system", "content": "w1"}]}, 400, "messages"),

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from conftest import build_model, word_tokenizer, words
 from cachetune.config import ServerConfig
@@ -206,12 +205,13 @@ def test_two_server_processes_share_one_redis_a_document_registered_on_one_is_se
 
 
 def test_bench_serve_drives_a_real_server_and_reports_every_method():
-    from cachetune.eval.bench_serve import ServeBenchConfig, format_table, run_bench_serve
+    from cachetune.eval.bench_serve import ServeBenchConfig, format_table, run_bench_serve, wait_until_healthy
     from cachetune.eval.datasets import QAExample
 
     examples = [QAExample(f"tiny-{i}", [words(60, 10 * i + j) for j in range(3)], words(6, i), ["w1"])
                 for i in range(3)]
     with Served() as s:
+        wait_until_healthy(s.url, 5)
         config = ServeBenchConfig(url=s.url, methods=("full_recompute", "cachetune"), rates=(4.0, 8.0),
                                   requests_per_rate=6, max_seconds_per_rate=30, slo_ms=5000, max_tokens=4)
         report = run_bench_serve(config, progress=False, examples=examples)
@@ -224,3 +224,16 @@ def test_bench_serve_drives_a_real_server_and_reports_every_method():
     assert report["methods"]["cachetune"]["rows"][0]["cached_share"] > 0.5
     assert report["max_rate_under_slo"]["cachetune"] == 8.0
     assert "cachetune" in format_table(report)
+
+
+def test_waiting_for_a_server_that_never_answers_fails_in_time():
+    from cachetune.eval.bench_serve import wait_until_healthy
+
+    start = time.monotonic()
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{_free_port()}", 1.0)
+    except RuntimeError as exc:
+        assert "did not answer" in str(exc)
+    else:
+        raise AssertionError("no error")
+    assert time.monotonic() - start < 5

@@ -15,7 +15,6 @@ import contextlib
 import hmac
 import json
 import logging
-import threading
 import time
 import uuid
 from typing import AsyncIterator
@@ -32,6 +31,7 @@ from cachetune.engine.request import Request
 from cachetune.engine.selfcheck import ReuseRefusedError
 from cachetune.errors import RequestError
 from cachetune.runtime.decode import SamplingConfig
+from cachetune.server.http import ApiError, BodyLimit, is_loopback, param_path
 from cachetune.server.metrics import CONTENT_TYPE, ServerMetrics
 from cachetune.server.protocol import (
     ChatCompletionRequest,
@@ -45,72 +45,6 @@ from cachetune.server.text import TextStream
 from cachetune.server.worker import EngineWorker, TokenStream
 
 log = logging.getLogger(__name__)
-
-
-class ApiError(Exception):
-    """An answer with an OpenAI-style error body: {"error": {"message", "type", "param", "code"}}."""
-
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
-             500: "server_error", 503: "service_unavailable"}
-
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
-                          "param": self.param, "code": self.status}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
-
-
-class _BodyLimit:
-    """ASGI middleware: a body over `limit` bytes gets 413 before the app parses any of it."""
-
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        too_large = ApiError(413, f"request body over the limit of {self.limit} bytes")
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            return await too_large.response()(scope, receive, send)
-        seen, over = 0, False
-
-        async def limited():
-            nonlocal seen, over
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                over = True
-                raise too_large
-            return message
-
-        async def unless_over(message):  # the app's own answer to the broken read is replaced
-            if not over:
-                await send(message)
-
-        try:
-            await self.app(scope, limited, unless_over)
-        except ApiError:
-            pass
-        if over:
-            await too_large.response()(scope, receive, send)
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _param(loc) -> str:
-    """A pydantic error location -> the field path a user wrote ("messages[0].role")."""
-    out = ""
-    for part in loc:
-        if part == "body" or (isinstance(part, str) and (part in _TYPE_TAGS or part[:1].isupper() or "[" in part)):
-            continue  # the union member pydantic tried ("str", "DocumentById"), not a field
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
 
 
 class Server:
@@ -170,7 +104,10 @@ class Server:
             cid = ref.id if isinstance(ref, DocumentById) else ref if isinstance(ref, str) and is_document_id(ref) \
                 else None
             if cid is None:
-                ids.append(self._register(ref if isinstance(ref, str) else ref.text)[0])
+                try:
+                    ids.append(self._register(ref if isinstance(ref, str) else ref.text)[0])
+                except RequestError as exc:  # longer than the context window
+                    raise ApiError(413, str(exc), f"documents[{i}]") from None
                 continue
             try:
                 self.engine.chunk(cid)
@@ -316,7 +253,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     app = FastAPI(title="cachetune", lifespan=lifespan)
     app.state.server = server
-    app.add_middleware(_BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def _api_error(_, exc: ApiError):
@@ -336,7 +273,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         if any(tuple(e.get("loc", ())) == ("body",) for e in errors):
             return await _api_error(None, ApiError(400, "the body must be a JSON object"))
         first = errors[0] if errors else {"loc": (), "msg": "invalid body"}
-        param = _param(first.get("loc", ()))
+        param = param_path(first.get("loc", ()))
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         return await _api_error(None, ApiError(422, f"{param or 'body'}: {first.get('msg')}{more}", param or None))
 
@@ -466,10 +403,6 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     return app
 
 
-def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
 def serve(engine: Engine, config: ServerConfig, log_level: str = "info") -> None:
     """Run the server in the foreground until interrupted."""
     import uvicorn
@@ -478,28 +411,3 @@ def serve(engine: Engine, config: ServerConfig, log_level: str = "info") -> None
         log.warning("listening on %s without an API key: anyone who can reach it can use it", config.host)
     uvicorn.run(build_app(engine, config), host=config.host, port=config.port, log_level=log_level,
                 timeout_graceful_shutdown=5)
-
-
-class BackgroundServer:
-    """The server on a free loopback port in a thread (tests, notebooks): `with BackgroundServer(app) as url:`."""
-
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
-        import uvicorn
-
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, name="cachetune-http", daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.02)
-        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        return f"http://{host}:{port}"
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)

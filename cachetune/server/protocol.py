@@ -6,7 +6,8 @@ Extras (ignored by other servers, passed by the `openai` client through `extra_b
   object {"id": ...}, an inline text (registered on first sight), or an object {"text": ...}.
 - `method`, `ratio`: the prefill method (cachetune.methods) and its recompute share.
 - `ignore_eos`: decode max_tokens tokens whatever the model says (benchmarks).
-Fields the server cannot honour (n > 1, logprobs, tools) are refused by name, never silently dropped.
+Fields the server cannot honour (n > 1, logprobs, tools, penalties, logit_bias, a JSON response_format)
+are refused by name, never silently dropped; fields it does not know are ignored.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ from __future__ import annotations
 import re
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 DOCUMENT_ID = re.compile(r"^[0-9a-f]{32}$")  # a chunk id (chunks.encode.chunk_id); never a path
+NOT_SERVED = {  # OpenAI fields the server does not implement -> why a request that turns them on is refused
+    "presence_penalty": "penalties are not served", "frequency_penalty": "penalties are not served",
+    "logit_bias": "logit_bias is not served", "response_format": "only response_format {'type': 'text'} is served",
+    "tools": "tool calls are not served", "echo": "echo is not served", "logprobs": "logprobs are not served"}
 
 
 def is_document_id(text: str) -> bool:
@@ -74,24 +79,33 @@ class GenerationFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    logprobs: bool | int | None = None
     documents: list[DocumentRef] = Field(default_factory=list)
     method: str | None = Field(None, min_length=1)
     ratio: float | None = Field(None, ge=0, le=1)
     ignore_eos: bool = False
+
+    # Accepted only at their "off" value (NOT_SERVED).
+    logprobs: bool | int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    echo: bool = False
+
+    @field_validator(*NOT_SERVED)
+    @classmethod
+    def _not_served(cls, value, info: ValidationInfo):
+        off = not value or (info.field_name == "response_format" and value.get("type") == "text")
+        if not off:
+            raise ValueError(NOT_SERVED[info.field_name])
+        return value
 
     @field_validator("n")
     @classmethod
     def _one_choice(cls, value: int) -> int:
         if value != 1:
             raise ValueError("only n = 1 is served")
-        return value
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value):
-        if value not in (None, False, 0):
-            raise ValueError("logprobs are not served")
         return value
 
     @field_validator("stop")
@@ -111,14 +125,6 @@ class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list | None = None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value):
-        if value:
-            raise ValueError("tool calls are not served")
-        return value
 
     @property
     def new_tokens(self) -> int | None:
@@ -128,7 +134,6 @@ class ChatCompletionRequest(GenerationFields):
 class CompletionRequest(GenerationFields):
     prompt: str | list[str]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
-    echo: bool = False
 
     @field_validator("prompt")
     @classmethod
@@ -139,13 +144,6 @@ class CompletionRequest(GenerationFields):
             value = value[0]
         if not value:
             raise ValueError("the prompt is empty")
-        return value
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not served")
         return value
 
     @property
