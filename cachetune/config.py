@@ -105,6 +105,7 @@ class EngineConfig:
     tiers: str = "cpu:4GiB"         # chunk store, fastest first: gpu:SIZE, cpu:SIZE, disk[:PATH][:SIZE], redis://HOST:PORT
     prefetch: bool = True           # load layer l+1's reused KV while layer l computes
     tracked_chunks: int = 4096      # chunks whose tokens and extra rankings the engine remembers (LRU)
+    fallback_bytes: int = GiB       # in-process copies of chunks no tier could take (a shared tier down)
     prefix_blocks: int = 4096       # KV blocks of 16 tokens the prefix cache keeps (LRU)
 
     def __post_init__(self) -> None:
@@ -117,7 +118,7 @@ class EngineConfig:
         if not 0 <= self.ratio <= 1:
             raise ValueError(f"ratio must be in [0, 1], got {self.ratio}")
         for name in ("threads", "max_new_tokens", "kv_budget_bytes", "max_running", "prefill_tokens_per_step",
-                     "tracked_chunks", "prefix_blocks"):
+                     "tracked_chunks", "prefix_blocks", "fallback_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

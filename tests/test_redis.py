@@ -117,6 +117,27 @@ def test_redis_killed_mid_request_then_back(redis_server) -> None:
     assert redis_server.client().exists(engine.store.key(other.chunk_id)) == 1
 
 
+def test_while_redis_is_down_a_chunk_is_encoded_once_and_goes_back_to_redis_when_it_returns(redis_server) -> None:
+    engine = tiny_engine(tiers=redis_server.url, self_check=False)
+    docs = [words(50, s) for s in (11, 12)]
+    ids = [engine.cache_chunk(d) for d in docs]
+    redis_server.kill()
+    answers = [engine.generate(ids, "w3 w4", sampling=greedy(4)).token_ids for _ in range(3)]
+    assert engine.chunks_encoded == 2 + 2  # each chunk once for the outage (kept in the fallback memory)
+    assert engine.cache_chunk(docs[0]) == ids[0] and engine.chunks_encoded == 4
+    assert answers == [answers[0]] * 3
+
+    redis_server.start()  # empty: the fallback copies are offered to it again
+    import time
+
+    time.sleep(RETRY_S + 0.1)
+    assert engine.generate(ids, "w3 w4", sampling=greedy(4)).token_ids == answers[0]
+    time.sleep(1.1)  # the fallback offers its chunks at most once a second
+    engine.generate(ids, "w3 w4", sampling=greedy(4))
+    assert all(redis_server.client().exists(engine.store.key(cid)) == 1 for cid in ids)
+    assert engine.chunks_encoded == 4
+
+
 def test_a_value_evicted_by_the_server_is_a_miss_and_a_request_recovers(redis_server) -> None:
     engine = tiny_engine(tiers=redis_server.url, self_check=False)
     docs = [words(50, s) for s in (11, 12)]

@@ -117,10 +117,13 @@ def test_redis_killed_under_load_every_request_answers_and_the_tier_recovers(red
         load.start()
         while sum(r is not None for r in results) < 30:
             time.sleep(0.005)
+        encoded = s.engine.chunks_encoded
         redis_server.kill()  # mid-load, as a crash would
         after = len(requests) - sum(r is not None for r in results)
         load.join(120)
         assert after >= 60  # most of the load ran with Redis gone
+        distinct = {d if isinstance(d, str) else d["text"] for _, b in requests for d in b["documents"]}
+        assert s.engine.chunks_encoded - encoded <= len(distinct)  # once per chunk, not once per request
         failed = [r for r in results if r is None or r[0] != 200]
         assert not failed, failed[:3]
         assert results[:20] == reference  # recomputed chunks give the same answers

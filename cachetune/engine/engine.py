@@ -47,6 +47,7 @@ from cachetune.runtime.kv_cache import kv_bytes_per_row
 from cachetune.runtime.loading import Pipeline
 from cachetune.store.base import ChunkStore, CorruptChunkError, LocalChunk, StoredChunk
 from cachetune.store.blob import ModelShape
+from cachetune.store.memory import MemoryStore
 from cachetune.store.tiered import build_store
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,8 @@ class Engine:
         self.vocab_size = self.adapter.backbone.embed_tokens.num_embeddings
         self.max_context = getattr(self.model.config, "max_position_embeddings", None)
         self.store = store or self._default_store()
+        self.fallback = MemoryStore(config.fallback_bytes, pinned=self.adapter.device.type == "cuda")
+        self._fallback_retry_at = 0.0
         self.chunks_encoded = 0  # chunks this engine ran through the model (a chunk found in the store is not)
         self.rankings = ChunkRankings(self.adapter, config.ranking, config.alpha, self._ranking_context,
                                       config.tracked_chunks, self.store)
@@ -136,9 +139,14 @@ class Engine:
         ids = self._checked_ids(token_ids)
         cid = chunk_id(self.fingerprint, ids)
         with self._lock:
-            if self._lookup(cid) is None:
-                self.store.put(self._encode(ids))
+            known = cid in self._tokens
             self._tokens.put(cid, ids)
+            try:
+                self.chunk(cid)  # found, or encoded now and stored (or kept in the fallback)
+            except BaseException:
+                if not known:
+                    self._tokens.pop(cid)  # nothing is left behind
+                raise
         return cid
 
     def _checked_ids(self, token_ids) -> torch.Tensor:
@@ -171,30 +179,52 @@ class Engine:
             return None
 
     def chunk(self, cid: str) -> StoredChunk:
-        """The stored chunk; a missing or corrupt one is re-encoded if this engine knows its tokens."""
+        """The stored chunk; a missing or corrupt one is re-encoded if this engine knows its tokens.
+
+        A chunk no tier could take (all full of chunks in use, a shared tier down) is kept in the
+        fallback memory (config.fallback_bytes), so an outage costs one encoding per chunk, not one per
+        request; it is offered to the tiers again at most once a second and leaves the fallback once
+        they hold it."""
         with self._lock:
-            stored = self._lookup(cid)
+            stored = self._lookup(cid) or self._from_fallback(cid)
             tokens = self._tokens.get(cid)
             if stored is None and tokens is not None:
                 encoded = self._encode(tokens)
                 self.store.put(encoded)
-                # No tier could take it (all full of chunks in use, a shared tier down): use it as is.
-                stored = self._lookup(cid) or LocalChunk(encoded)
+                stored = self._lookup(cid)
+                if stored is None:
+                    self.fallback.put(encoded)
+                    stored = self.fallback.get(cid) or LocalChunk(encoded)
             if stored is None:
                 raise KeyError(f"chunk {cid} is not in the store; cache its text with cache_chunk() first")
             return stored
 
+    def _from_fallback(self, cid: str) -> StoredChunk | None:
+        kept = self.fallback.get(cid)
+        now = time.monotonic()
+        if kept is None or now < self._fallback_retry_at:
+            return kept
+        self._fallback_retry_at = now + 1.0
+        self.store.put(kept.encoded())
+        stored = self._lookup(cid)
+        if stored is None:
+            return kept
+        self.fallback.remove(cid)  # a tier holds it again
+        return stored
+
     def find_chunk(self, cid: str) -> StoredChunk | None:
-        """The stored chunk, or None when no tier holds it intact (nothing is encoded)."""
+        """The stored chunk, or None when no tier (nor the fallback memory) holds it intact (nothing is
+        encoded)."""
         with self._lock:
-            return self._lookup(cid)
+            return self._lookup(cid) or self._from_fallback(cid)
 
     def remove_chunk(self, cid: str) -> bool:
         """Forget a chunk in every tier (shared ones too); False when none held it. Requests already
         holding it keep their handle."""
         with self._lock:
-            present = self._lookup(cid) is not None
+            present = (self._lookup(cid) or self.fallback.get(cid)) is not None
             self.store.remove(cid)
+            self.fallback.remove(cid)
             self._tokens.pop(cid)
             return present
 
