@@ -45,3 +45,21 @@ def test_no_stops_means_every_piece_goes_out_at_once():
     tok = ByteTokenizer()
     s = TextStream(tok)
     assert [s.add(t) for t in tok.ids("abc")] == ["a", "b", "c"]
+
+
+class SpaceDroppingTokenizer:
+    """Like SentencePiece: a token is " word", and a decode drops the leading space of its first."""
+
+    words = ["alpha", "beta", "gamma", "delta"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(" " + self.words[i] for i in ids).removeprefix(" ")
+
+
+def test_decoding_a_window_of_the_tail_gives_the_same_text_as_decoding_everything():
+    tok = SpaceDroppingTokenizer()
+    ids = [0, 1, 2, 3, 2, 1, 0]
+    s = TextStream(tok)
+    pieces = [s.add(i) for i in ids] + [s.flush()]
+    assert "".join(pieces) == tok.decode(ids) == "alpha beta gamma delta gamma beta alpha"
+    assert pieces[1] == " beta"  # the space a decode of the tail alone would drop is kept

@@ -252,9 +252,11 @@ class Engine:
         before, after = self.template.segments(DEFAULT_SYSTEM if system is None else system, question)
         return self.prompt_from(before, chunks, after)
 
-    def prompt_from(self, before: torch.Tensor, chunks: Sequence[str], after: torch.Tensor) -> PromptLayout:
-        """A prompt of uncached token ids `before`, the cached `chunks` in order, and `after`."""
-        stored = [self.chunk(cid) for cid in chunks]
+    def prompt_from(self, before: torch.Tensor, chunks: Sequence[str | StoredChunk], after: torch.Tensor
+                    ) -> PromptLayout:
+        """A prompt of uncached token ids `before`, the cached `chunks` (ids, or chunks already looked
+        up with chunk()) in order, and `after`."""
+        stored = [c if isinstance(c, StoredChunk) else self.chunk(c) for c in chunks]
         head = [Segment(before)] if before.numel() else []  # a bare completion prompt has nothing before
         return PromptLayout([*head, *(Segment(c.token_ids, c) for c in stored), Segment(after)])
 

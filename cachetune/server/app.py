@@ -31,6 +31,7 @@ from cachetune.engine.request import Request
 from cachetune.engine.selfcheck import ReuseRefusedError
 from cachetune.errors import RequestError
 from cachetune.runtime.decode import SamplingConfig
+from cachetune.store.base import StoredChunk
 from cachetune.server.http import ApiError, BodyLimit, is_loopback, param_path
 from cachetune.server.metrics import CONTENT_TYPE, ServerMetrics
 from cachetune.server.protocol import (
@@ -98,24 +99,23 @@ class Server:
         cid = self.engine.cache_tokens(tokens)
         return cid, int(tokens.numel())
 
-    def _resolve(self, refs) -> list[str]:
-        ids = []
+    def _resolve(self, refs) -> list[StoredChunk]:
+        """The request's documents, looked up once (inline texts registered first)."""
+        found = []
         for i, ref in enumerate(refs):
             cid = ref.id if isinstance(ref, DocumentById) else ref if isinstance(ref, str) and is_document_id(ref) \
                 else None
             if cid is None:
                 try:
-                    ids.append(self._register(ref if isinstance(ref, str) else ref.text)[0])
+                    cid = self._register(ref if isinstance(ref, str) else ref.text)[0]
                 except RequestError as exc:  # longer than the context window
                     raise ApiError(413, str(exc), f"documents[{i}]") from None
-                continue
             try:
-                self.engine.chunk(cid)
+                found.append(self.engine.chunk(cid))
             except KeyError:
                 raise ApiError(404, f"no document {cid}; register it with POST /v1/documents",
                                f"documents[{i}]") from None
-            ids.append(cid)
-        return ids
+        return found
 
     def _add(self, body: GenerationFields, new_tokens: int, stream: TokenStream) -> Request:
         engine = self.engine
@@ -126,7 +126,7 @@ class Server:
         why = method.unavailable(engine.context)
         if why:
             raise ApiError(400, f"method {method.name!r} cannot serve here: {why}", "method")
-        ids = self._resolve(body.documents)
+        documents = self._resolve(body.documents)
         if isinstance(body, ChatCompletionRequest):
             messages = [("system" if m.role == "developer" else m.role, m.text()) for m in body.messages]
             try:
@@ -135,7 +135,7 @@ class Server:
                 raise ApiError(400, str(exc), "messages") from None
         else:
             before, after = engine.template.encode(""), engine.template.encode(body.prompt)
-        prompt = engine.prompt_from(before, ids, after)
+        prompt = engine.prompt_from(before, documents, after)
         if self.max_prompt_tokens is not None and prompt.total + new_tokens > self.max_prompt_tokens:
             raise RequestError(f"prompt of {prompt.total} tokens plus max_tokens {new_tokens} is over the limit "
                                f"of {self.max_prompt_tokens} tokens")

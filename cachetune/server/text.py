@@ -6,18 +6,34 @@ from __future__ import annotations
 class TextStream:
     """Feed generated token ids one at a time; each `add` returns the text safe to send now.
 
-    Text is decoded from all ids so far (tokenizers merge bytes across tokens), and held back while it
-    ends in an incomplete character or in what could be the start of a stop string. The first stop
-    string found ends the text before it (`stopped` is then True)."""
+    Text is held back while it ends in an incomplete character or in what could be the start of a
+    stop string. The first stop string found ends the text before it (`stopped` is then True).
+
+    NOTE: each token decodes only a short tail, not every id so far: the new text is the tail
+    ids[head:] decoded minus ids[head:tail] decoded (tokenizers merge bytes across tokens and some
+    drop a leading space at the start of a decode, which the difference cancels); once it ends in a
+    whole character it is settled and the window moves on."""
 
     def __init__(self, tokenizer, stops: list[str] | None = None):
         self.tokenizer, self.stops = tokenizer, list(stops or ())
         self.ids: list[int] = []
         self.text = ""      # the text sent so far
         self.stopped = False
+        self._settled = ""  # the decoded text of ids[:self._tail]
+        self._head = self._tail = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _decoded(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        """The decoded text of every id so far."""
+        window = self._decode(self.ids[self._head:])
+        new = window[len(self._decode(self.ids[self._head:self._tail])):]
+        if new.endswith("\ufffd"):
+            return self._settled + new  # a character still being assembled: the window stays
+        self._settled += new
+        self._head, self._tail = self._tail, len(self.ids)
+        return self._settled
 
     def add(self, token: int) -> str:
         if self.stopped:
