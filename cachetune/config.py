@@ -15,7 +15,7 @@ import re
 import tomllib
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,9 +25,31 @@ GiB = 2**30
 MEMORY_TIER_BYTES = 4 * GiB  # a memory tier's budget when none is given
 DISK_TIER_BYTES = 32 * GiB   # a disk tier's budget when none is given
 TIER_ORDER = ("gpu", "cpu", "disk", "redis")  # tier kinds, fastest first
+QUALITY_FLOOR = 0.15  # the paper's r: the recompute share that keeps quality, and calibration's r_min
+# Reference media a tier can be paced to (`disk@hdd`): (bytes per second, seconds per read).
+MEDIA = {
+    "hdd": (150e6, 5e-3),  # a 7200 rpm disk: 150 MB/s, 5 ms a seek
+    "ssd": (500e6, 1e-4),  # a SATA SSD: 500 MB/s, 0.1 ms
+    "nvme": (3e9, 0.0),    # an NVMe SSD: 3 GB/s
+}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(|B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|KB|MB|GB)/s\s*(?:\+\s*(\d+(?:\.\d+)?)\s*ms)?\s*$",
+                   re.IGNORECASE)
+
+
+def parse_medium(text: str) -> tuple[float, float]:
+    """'hdd', 'ssd', 'nvme' (MEDIA), '60MB/s' or '60MB/s+5ms' -> (bytes per second, seconds per read)."""
+    if text in MEDIA:
+        return MEDIA[text]
+    match = _RATE.match(text)
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"not a medium: {text!r} (one of {', '.join(MEDIA)}, or e.g. 60MB/s, 60MB/s+5ms)")
+    latency = float(match.group(3)) / 1000 if match.group(3) else 0.0
+    return float(match.group(1)) * _UNITS[match.group(2).lower()], latency
 
 
 def byte_size(text: str) -> int:
@@ -41,19 +63,38 @@ def byte_size(text: str) -> int:
 @dataclass(frozen=True)
 class TierSpec:
     """One tier of the chunk store: `kind` (TIER_ORDER), a byte budget (None for redis: the server's
-    maxmemory) and, for disk, its folder (None: <cache dir>/chunks), for redis its URL."""
+    maxmemory) and, for disk, its folder (None: <cache dir>/chunks), for redis its URL; `throttle`
+    paces its reads to a slower medium (parse_medium), for benchmarks and calibration."""
 
     kind: str
     max_bytes: int | None
     path: str | None = None
+    throttle: str | None = None
+
+    def label(self, default_dir: str | Path) -> str:
+        """What names this tier in a calibration: the kind, a disk's resolved folder, a Redis URL
+        without its credentials, and `@medium` when throttled (no size: a budget changes no speed)."""
+        if self.kind == "disk":
+            name = f"disk:{Path(self.path or default_dir).expanduser().resolve()}"
+        elif self.kind == "redis":
+            name = re.sub(r"//[^@/]*@", "//", self.path or "")
+        else:
+            name = self.kind
+        return f"{name}@{self.throttle}" if self.throttle else name
 
 
 def parse_tiers(text: str) -> list[TierSpec]:
     """'gpu:2GiB,cpu:4GiB,disk:/path:100GiB,redis://host:6379' -> tiers fastest first. `cpu`/`gpu`
     alone take MEMORY_TIER_BYTES, a disk without a size DISK_TIER_BYTES; `disk` alone is the cache
-    dir; a redis tier is its URL (redis:// or rediss://), its budget the server's own."""
+    dir; a redis tier is its URL (redis:// or rediss://), its budget the server's own. A memory or disk
+    tier ending in `@MEDIUM` (`disk@hdd`, `disk:/path@60MB/s+5ms`) is read at that medium's pace."""
     tiers = []
     for item in (part.strip() for part in text.split(",")):
+        if not item.startswith(("redis://", "rediss://")) and "@" in item:
+            item, _, throttle = item.rpartition("@")
+            parse_medium(throttle)  # raises with the medium named
+            tiers.append(replace(parse_tiers(item)[0], throttle=throttle))
+            continue
         if item.startswith(("redis://", "rediss://")):
             if not item.split("://", 1)[1]:
                 raise ValueError(f"tier {item!r}: a redis tier needs a host, e.g. redis://127.0.0.1:6379")
@@ -90,7 +131,9 @@ class EngineConfig:
     self_check: bool = True         # verify selective prefill against the plain forward at start-up
     # -- requests
     method: str = "cachetune"       # method of a request that names none (see `cachetune.methods`)
-    ratio: float = 0.15             # share of chunk tokens recomputed by methods with a budget
+    ratio: float = QUALITY_FLOOR    # share of chunk tokens recomputed by methods with a budget (requests: or "auto")
+    min_ratio: float = QUALITY_FLOOR  # r_min: calibration's quality floor; "auto" on a tier never calibrated
+    calibration: str | None = None  # the calibration file "auto" reads (None: <cache dir>/calibration.json)
     ranking: str = "first"          # offline ranker stored with each chunk, read by cachetune (chunks.rankers)
     alpha: float = 0.5              # share of low frequencies kept by the `lf` ranking
     max_new_tokens: int = 64        # decode budget of a request that sets none
@@ -115,8 +158,9 @@ class EngineConfig:
         parse_tiers(self.tiers)  # raises with the bad part named
         if not 0 < self.alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
-        if not 0 <= self.ratio <= 1:
-            raise ValueError(f"ratio must be in [0, 1], got {self.ratio}")
+        for name in ("ratio", "min_ratio"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         for name in ("threads", "max_new_tokens", "kv_budget_bytes", "max_running", "prefill_tokens_per_step",
                      "tracked_chunks", "prefix_blocks", "fallback_bytes"):
             value = getattr(self, name)
@@ -190,6 +234,7 @@ class ServerConfig:
     max_tokens: int = 2048          # the most new tokens one request may ask for
     max_documents: int = 64         # documents in one request or one registration
     retry_after_s: int = 1          # Retry-After (seconds) sent with a 429 or 503
+    auto_ratio: bool = True         # a request without a ratio gets "auto" when a tier of the engine is calibrated
 
     def __post_init__(self) -> None:
         _check_types(self)

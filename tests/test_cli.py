@@ -160,3 +160,23 @@ def test_bad_input_exits_with_a_clear_error(tmp_path, qa_file, capsys):
     assert "error" in capsys.readouterr().err
     assert main(["bench", "--data", str(qa_file), "--methods", "nope", "--limit", "1"]) == 2
     assert "unknown method" in capsys.readouterr().err
+
+
+def test_calibrate_stores_a_ratio_that_ask_with_ratio_auto_then_uses(tmp_path, qa_file, capsys):
+    tier, calibration = f"disk:{tmp_path / 'kv'}", str(tmp_path / "calibration.json")
+    code = main(["calibrate", "--tier", tier, "--throttle", "20MB/s", "--data", str(qa_file), "--limit", "1",
+                 "--repeats", "1", "--eps", "0.1", "--calibration", calibration, "--json", str(tmp_path / "cal.json")])
+    assert code == 0
+    report = json.loads((tmp_path / "cal.json").read_text())
+    assert 0.15 <= report["ratio"] <= 1.0 and report["tier"].endswith("@20MB/s") and report["probes"]
+    entries = json.loads((tmp_path / "calibration.json").read_text())["entries"]
+    assert [e["ratio"] for e in entries.values()] == [report["ratio"]]
+    docs = []
+    for i, doc in enumerate(DOCS):
+        (tmp_path / f"d{i}.txt").write_text(doc)
+        docs += ["--doc", str(tmp_path / f"d{i}.txt")]
+    capsys.readouterr()
+    assert main(["ask", *docs, "--question", "Where is Kilimanjaro?", "--max-new-tokens", "4", "--ratio", "auto",
+                 "--tiers", f"{tier}@20MB/s", "--calibration", calibration]) == 0
+    assert f"[cachetune r={report['ratio']:.3g}]" in capsys.readouterr().err
+    assert main(["calibrate", "--tier", "cpu,disk", "--data", str(qa_file)]) == 2  # one tier at a time

@@ -1,5 +1,5 @@
 """Packages import only downwards: runtime at the bottom, then chunks, stores and methods, then the
-engine, then eval and the CLI. Every import counts, including those inside functions."""
+engine, then eval, tuning, training and the server, then the CLI. Every import counts, including those inside functions."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ LAYERS = [
     {"store"},
     {"methods"},
     {"engine"},
-    {"eval", "train", "server"},
+    {"eval", "train", "server", "tuning"},
     {"cli"},
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

@@ -107,6 +107,30 @@ def test_full_recompute_reports_no_cached_tokens_and_cachetune_reports_its_recom
     assert extras["ttft_ms"] > 0
 
 
+def test_requests_without_a_ratio_get_the_calibrated_one_once_a_tier_is_calibrated(tmp_path):
+    calibration = str(tmp_path / "calibration.json")
+
+    def ratio_of(served: Served, ids, **extra) -> float:
+        body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2, "temperature": 0,
+                "documents": ids, **extra}
+        r = served.http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["cachetune"]["ratio"]
+
+    with Served(ratio=0.25, calibration=calibration) as served:
+        ids = served.register(*DOCS)
+        assert ratio_of(served, ids) == 0.25  # nothing calibrated: the engine's ratio
+        engine = served.engine
+        engine.calibration.store(engine.calibration_key(engine.tier_labels()[0]), {"ratio": 0.4})
+        assert ratio_of(served, ids) == 0.4   # seen without a restart
+        assert ratio_of(served, ids, ratio=0.2) == 0.2
+        assert ratio_of(served, ids, ratio="auto") == 0.4
+    with Served(ServerConfig(auto_ratio=False), ratio=0.25, calibration=calibration) as served:
+        ids = served.register(*DOCS)
+        assert ratio_of(served, ids) == 0.25
+        assert ratio_of(served, ids, ratio="auto") == 0.4
+
+
 def test_completions_plain_and_streaming(served):
     ids = served.register(*DOCS[:2])
     plain = served.client.completions.create(model="tiny-llama", prompt=QUESTION, max_tokens=10, temperature=0,
@@ -162,6 +186,7 @@ def test_documents_in_another_order_are_served_and_reuse_their_cache(served):
     ({"messages": [{"role": "robot", "content": "w1"}]}, 422, "messages[0].role"),
     ({"messages": []}, 422, "messages"),
     ({"messages": [{"role": "user", "content": "w1"}], "ratio": 2}, 422, "ratio"),
+    ({"messages": [{"role": "user", "content": "w1"}], "ratio": "fast"}, 422, "ratio"),
     ({"messages": [{"role": "user", "content": "w1"}], "n": 2}, 422, "n"),
     ({"messages": [{"role": "user", "content": "w1"}], "frequency_penalty": 0.5}, 422, "frequency_penalty"),
     ({"messages": [{"role": "user", "content": "w1"}], "logprobs": True}, 422, "logprobs"),

@@ -30,6 +30,7 @@ from cachetune.chunks.encode import chunk_id, encode_chunk
 from cachetune.chunks.probes import PROBE_PASSAGES, ProbeBank
 from cachetune.chunks.rankers import RankingContext, get_ranker
 from cachetune.config import EngineConfig, parse_tiers
+from cachetune.engine.calibration import AUTO, FILE_NAME, CalibrationFile, CalibrationKey, device_identity
 from cachetune.engine.prompt import DEFAULT_SYSTEM, PromptTemplate
 from cachetune.engine.request import FinishCallback, GenerationResult, Request, RequestStatus, TokenCallback
 from cachetune.engine.scheduler import KVBudget, Scheduler
@@ -85,6 +86,7 @@ class Engine:
         self.vocab_size = self.adapter.backbone.embed_tokens.num_embeddings
         self.max_context = getattr(self.model.config, "max_position_embeddings", None)
         self.store = store or self._default_store()
+        self.calibration = CalibrationFile(config.calibration or default_cache_dir() / FILE_NAME)
         self.fallback = MemoryStore(config.fallback_bytes, pinned=self.adapter.device.type == "cuda")
         self._fallback_retry_at = 0.0
         self.chunks_encoded = 0  # chunks this engine ran through the model (a chunk found in the store is not)
@@ -260,13 +262,43 @@ class Engine:
         head = [Segment(before)] if before.numel() else []  # a bare completion prompt has nothing before
         return PromptLayout([*head, *(Segment(c.token_ids, c) for c in stored), Segment(after)])
 
-    def method(self, spec: str | Method | None = None, ratio: float | None = None,
-               ranking: str | None = None) -> Method:
+    def method(self, spec: str | Method | None = None, ratio: float | str | None = None,
+               ranking: str | None = None, prompt: PromptLayout | None = None) -> Method:
         """A method by name ("cachetune", "cachetune:probe", ...; None: the configured default) with
-        settings from this engine's config and the given overrides, or a Method instance as it is."""
+        settings from this engine's config and the given overrides, or a Method instance as it is.
+        ratio "auto" is the calibrated ratio for where `prompt`'s chunks are read from (auto_ratio)."""
         if isinstance(spec, Method):
             return spec
+        if ratio == AUTO:
+            if prompt is None:
+                raise ValueError('ratio "auto" depends on where the chunks are read from: pass the prompt')
+            ratio = self.auto_ratio(prompt)
+        elif isinstance(ratio, str):
+            raise ValueError(f'ratio must be a number in [0, 1] or "auto", got {ratio!r}')
         return make_method(self.config.method if spec is None else spec, self.config, ratio=ratio, ranking=ranking)
+
+    # ---- calibrated ratios (cachetune calibrate) ------------------------------------------------
+    def calibration_key(self, tier: str) -> CalibrationKey:
+        """The calibration key of this engine's model, device and dtype for a tier label."""
+        return CalibrationKey(self.fingerprint, device_identity(self.adapter.device), self.config.dtype, tier)
+
+    def tier_labels(self) -> list[str]:
+        """Labels of this engine's tiers, fastest first (what a calibration is keyed by)."""
+        return [t.label or t.kind for t in getattr(self.store, "tiers", [self.store])]
+
+    def calibrated_ratios(self) -> dict[str, float]:
+        """Tier label -> its calibrated ratio, for the tiers of this engine that have one (valid for
+        this model, device and dtype)."""
+        found = {tier: self.calibration.ratio(self.calibration_key(tier)) for tier in self.tier_labels()}
+        return {tier: r for tier, r in found.items() if r is not None}
+
+    def auto_ratio(self, prompt: PromptLayout) -> float:
+        """The ratio "auto" means for `prompt`: the largest calibrated ratio among the tiers its chunks
+        were read from (the slowest read sets the pace), a tier without a calibration counting as
+        config.min_ratio (the quality floor); min_ratio for a prompt without chunks."""
+        tiers = {seg.chunk.tier for _, seg in prompt.chunk_segments}
+        ratios = [self.calibration.ratio(self.calibration_key(t)) if t else None for t in tiers]
+        return max([self.config.min_ratio, *(r for r in ratios if r is not None)]) if ratios else self.config.min_ratio
 
     def prepare(self, prompt: PromptLayout, method: Method) -> None:
         """The method's untimed offline work for every chunk of `prompt` (e.g. a non-default ranking)."""
@@ -286,12 +318,12 @@ class Engine:
             )
 
     @torch.no_grad()
-    def prefill(self, prompt: PromptLayout, method: str | Method | None = None, ratio: float | None = None,
+    def prefill(self, prompt: PromptLayout, method: str | Method | None = None, ratio: float | str | None = None,
                 ranking: str | None = None, capacity: int | None = None) -> Prefill:
         """Fill a KV cache for `prompt` alone, outside the step loop and its KV budget (analysis,
         teacher forcing, timing one prefill): `capacity` rows are allocated (default: the prompt plus
         the default decode budget); decoding past them grows the cache."""
-        method = self.method(method, ratio, ranking)
+        method = self.method(method, ratio, ranking, prompt)
         with self._lock:
             self._check_servable(prompt, method, 0)
             return method.prefill(self.context, prompt, capacity or prompt.total + self.config.max_new_tokens)
@@ -304,7 +336,7 @@ class Engine:
         *,
         system: str | None = None,
         method: str | Method | None = None,
-        ratio: float | None = None,
+        ratio: float | str | None = None,
         ranking: str | None = None,
         sampling: SamplingConfig | None = None,
         on_token: TokenCallback | None = None,
@@ -313,19 +345,22 @@ class Engine:
     ) -> Request:
         """Queue a request over the cached `chunks` (ids from cache_chunk, in prompt order) and
         `question`, or over a ready `prompt`. It is served by later `step()` calls; `on_token(request,
-        id)` sees every generated token as it is sampled and `on_finish(request)` the end.
+        id)` sees every generated token as it is sampled and `on_finish(request)` the end. ratio
+        "auto" is the calibrated one for where the chunks are read from (auto_ratio).
 
         Raises (before anything is queued) for an unknown method or chunk, a prompt that does not fit
         the model's context window or could never fit the KV budget, or reuse refused by the self-check."""
         sampling = sampling or SamplingConfig(max_new_tokens=self.config.max_new_tokens)
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-        method = self.method(method, ratio, ranking)
+        if ratio != AUTO:
+            method = self.method(method, ratio, ranking)  # a bad name fails before any chunk is looked up
         with self._lock:
             if prompt is None:
                 if question is None:
                     raise ValueError("a request needs a question (or a ready prompt)")
                 prompt = self.build_prompt(chunks, question, system)
+            method = self.method(method, ratio, ranking, prompt)
             self._check_servable(prompt, method, sampling.max_new_tokens)
             self.prepare(prompt, method)  # offline work (a ranking not stored): before the clock starts
             rows = method.prompt_rows(prompt) + sampling.max_new_tokens
@@ -454,7 +489,7 @@ class Engine:
         question: str,
         system: str | None = None,
         method: str | Method | None = None,
-        ratio: float | None = None,
+        ratio: float | str | None = None,
         sampling: SamplingConfig | None = None,
         ranking: str | None = None,
     ) -> GenerationResult:

@@ -28,22 +28,20 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cachetune.chunks.ranking import top_share
 from cachetune.config import EngineConfig
 from cachetune.engine.engine import Engine
 from cachetune.eval.datasets import QAExample
 from cachetune.eval.report import pyplot, save_figure
 from cachetune.eval.bench_batch import example_prompt
 from cachetune.methods.layout import PromptLayout, Segment
-from cachetune.methods.prefill import full_prefill, reuse_plan, selective_prefill
-from cachetune.runtime.forward import forward_active
-from cachetune.runtime.kv_cache import KVCache
-from cachetune.runtime.loading import SEQUENTIAL, LayerLoader, Pipeline
+from cachetune.methods.prefill import full_prefill, selective_prefill
+from cachetune.runtime.loading import SEQUENTIAL, Pipeline
 from cachetune.store.base import ChunkStore
 from cachetune.store.blob import ModelShape
 from cachetune.store.disk import DiskStore
 from cachetune.store.memory import MemoryStore
 from cachetune.store.throttled import MEDIA, Medium, ThrottledStore
+from cachetune.tuning.profile import load_and_compute, top_selections
 
 TIERS = ("cpu", "disk", "redis", "hdd", "ssd", "nvme", "matched")
 VARIANTS = {
@@ -69,19 +67,6 @@ class PipelineBenchConfig:
             raise ValueError(f"tier must be one of {', '.join(TIERS)}, got {self.tier!r}")
         if self.repeats < 1:
             raise ValueError("repeats must be >= 1")
-
-
-class _Preloaded:
-    """ReusedKV with every layer already in memory (the `compute` reference)."""
-
-    def __init__(self, rows: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]]):
-        self.rows, self._layers = rows, layers
-
-    def begin(self, rotate) -> bool:
-        return False
-
-    def layer(self, index: int):
-        return self._layers[index]
 
 
 def _tier_store(engine: Engine, cfg: PipelineBenchConfig, tmp: Path, medium: Medium | None) -> ChunkStore:
@@ -121,43 +106,15 @@ def _timed(fn, before=None) -> float:
 
 def _load_and_compute(engine: Engine, layout: PromptLayout, selections, before) -> tuple[float, float, int]:
     """(ms to read every layer's reused rows, ms of the forward with them in memory, bytes read)."""
-    adapter = engine.adapter
-    active, parts, _ = reuse_plan(layout, selections)
-    plain = Pipeline(overlap=False, sparse=True, deferred_rope=False)
-    layers = []
-
-    def load() -> None:
-        with LayerLoader(parts, adapter.kv_shape, adapter.device, adapter.dtype, plain) as loader:
-            loader.begin(None)
-            layers[:] = [tuple(t.clone() for t in loader.layer(i)) for i in range(adapter.num_layers)]
-            layers.append(loader.rows)
-
-    load_ms = _timed(load, before)
-    rows = layers.pop()
-    reused = _Preloaded(rows, layers)
-
-    def compute() -> None:
-        cache = KVCache.empty(adapter.num_layers, layout.total, adapter.num_kv_heads, adapter.head_dim,
-                              adapter.dtype, adapter.device)
-        ids = layout.input_ids[active].to(adapter.device)
-        hidden = forward_active(adapter, adapter.embed(ids), active.to(adapter.device), cache, reused=reused,
-                                last_only=True)
-        adapter.logits(hidden[-1:])
-
-    compute_ms = _timed(compute)
-    row_bytes = 2 * adapter.num_kv_heads * adapter.head_dim * adapter.dtype.itemsize
-    return load_ms, compute_ms, int(rows.numel()) * row_bytes * adapter.num_layers
-
-
-def _selections(layout: PromptLayout, ratio: float) -> list[torch.Tensor]:
-    return [top_share(seg.chunk.ranking, ratio).sort().values for _, seg in layout.chunk_segments]
+    load_s, compute_s, nbytes = load_and_compute(engine, layout, selections, before)
+    return load_s * 1000, compute_s * 1000, nbytes
 
 
 def matched_medium(engine: Engine, layouts: list[PromptLayout], ratio: float) -> tuple[Medium, dict]:
     """A medium whose reads of the reuse complement take as long as the forward (from a profile on
     the memory tier): bandwidth = bytes read / compute time, no latency."""
     store = MemoryStore()
-    samples = [_load_and_compute(engine, moved_layout(l, store), _selections(l, ratio), None) for l in layouts]
+    samples = [_load_and_compute(engine, moved_layout(l, store), top_selections(l, ratio), None) for l in layouts]
     compute_s = statistics.median(s[1] for s in samples) / 1000
     nbytes = statistics.median(s[2] for s in samples)
     return Medium(nbytes / compute_s), {"compute_ms": compute_s * 1000, "bytes": nbytes,
@@ -182,7 +139,7 @@ def run_bench_pipeline(engine: Engine, examples: list[QAExample], cfg: PipelineB
                    disable=not progress)
         for layout in layouts:
             moved = moved_layout(layout, store)
-            chosen = _selections(moved, cfg.ratio)
+            chosen = top_selections(moved, cfg.ratio)
             tokens.append(layout.total)
             runs = {n: [] for n in names}
             for rep in range(cfg.repeats + 1):  # the first pass warms up and is not counted

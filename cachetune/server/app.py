@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cachetune.config import ServerConfig
+from cachetune.engine.calibration import AUTO
 from cachetune.engine.engine import Engine
 from cachetune.engine.prompt import DOCUMENT_SEPARATOR
 from cachetune.engine.request import Request
@@ -57,6 +58,10 @@ class Server:
         context = engine.max_context
         limit = config.max_prompt_tokens
         self.max_prompt_tokens = min(x for x in (limit, context) if x is not None) if (limit or context) else None
+        calibrated = engine.calibrated_ratios()
+        if calibrated and config.auto_ratio:
+            log.info("requests without a ratio use the calibrated one (%s): %s", engine.calibration.path,
+                     ", ".join(f"{tier} r={r:.3f}" for tier, r in calibrated.items()))
 
     # ---- checks ---------------------------------------------------------------------------------
     def authorize(self, http: HttpRequest) -> None:
@@ -119,8 +124,11 @@ class Server:
 
     def _add(self, body: GenerationFields, new_tokens: int, stream: TokenStream) -> Request:
         engine = self.engine
+        ratio = body.ratio
+        if ratio is None and self.config.auto_ratio and engine.calibrated_ratios():
+            ratio = AUTO  # calibrated for this machine: the server's default
         try:
-            method = engine.method(body.method, body.ratio)
+            method = engine.method(body.method, None if ratio == AUTO else ratio)
         except (KeyError, ValueError) as exc:
             raise ApiError(400, str(exc.args[0]) if exc.args else str(exc), "method") from None
         why = method.unavailable(engine.context)
@@ -136,6 +144,8 @@ class Server:
         else:
             before, after = engine.template.encode(""), engine.template.encode(body.prompt)
         prompt = engine.prompt_from(before, documents, after)
+        if ratio == AUTO:
+            method = engine.method(body.method, AUTO, prompt=prompt)
         if self.max_prompt_tokens is not None and prompt.total + new_tokens > self.max_prompt_tokens:
             raise RequestError(f"prompt of {prompt.total} tokens plus max_tokens {new_tokens} is over the limit "
                                f"of {self.max_prompt_tokens} tokens")

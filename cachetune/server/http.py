@@ -62,15 +62,16 @@ class BodyLimit:
             await too_large.response()(scope, receive, send)
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "constrained-float"}
 
 
 def param_path(loc) -> str:
     """A pydantic error location -> the field path a user wrote ("messages[0].role")."""
     out = ""
     for part in loc:
-        if part == "body" or (isinstance(part, str) and (part in _TYPE_TAGS or part[:1].isupper() or "[" in part)):
-            continue  # the union member pydantic tried ("str", "DocumentById"), not a field
+        if part == "body" or (isinstance(part, str) and (part in _TYPE_TAGS or part[:1].isupper() or "[" in part
+                                                          or part.startswith("literal"))):
+            continue  # the union member pydantic tried ("str", "DocumentById", a literal), not a field
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 

@@ -4,7 +4,8 @@ Extras (ignored by other servers, passed by the `openai` client through `extra_b
 - `documents`: chunks placed, in the given order, before the conversation (in the first user message)
   or before the completion prompt. Each is a document id from POST /v1/documents (32 hex digits), an
   object {"id": ...}, an inline text (registered on first sight), or an object {"text": ...}.
-- `method`, `ratio`: the prefill method (cachetune.methods) and its recompute share.
+- `method`, `ratio`: the prefill method (cachetune.methods) and its recompute share, a number or
+  "auto" (the ratio calibrated for the tier the documents are read from; see `cachetune calibrate`).
 - `ignore_eos`: decode max_tokens tokens whatever the model says (benchmarks).
 Fields the server cannot honour (n > 1, logprobs, tools, penalties, logit_bias, a JSON response_format)
 are refused by name, never silently dropped; fields it does not know are ignored.
@@ -13,7 +14,7 @@ are refused by name, never silently dropped; fields it does not know are ignored
 from __future__ import annotations
 
 import re
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -81,7 +82,7 @@ class GenerationFields(BaseModel):
     n: int = 1
     documents: list[DocumentRef] = Field(default_factory=list)
     method: str | None = Field(None, min_length=1)
-    ratio: float | None = Field(None, ge=0, le=1)
+    ratio: Annotated[float, Field(ge=0, le=1)] | Literal["auto"] | None = None
     ignore_eos: bool = False
 
     # Accepted only at their "off" value (NOT_SERVED).

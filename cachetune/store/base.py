@@ -26,6 +26,7 @@ class StoredChunk(ABC):
     ranker: str              # the offline ranker that produced them (cachetune.chunks.rankers)
     positions: torch.Tensor | None = None  # [R] local positions of compressed rows; None: row i is token i
     variant: str = ""        # what made the rows ("" plain chunk encoding; see chunks.encode.chunk_id)
+    tier: str = ""           # label of the tier whose lookup returned it (ChunkStore.label; "" outside a store)
 
     reader = None            # runtime.loading.RangeReader of this tier (None: load_layer per chunk)
 
@@ -125,6 +126,7 @@ class ChunkStore(ABC):
     shared: bool = False
     on_evict: Callable[[StoredChunk], None] | None = None
     kind: str = "store"  # the tier kind stats() reports
+    label: str = ""      # what names this tier in a calibration (config.TierSpec.label; "": its kind)
     hits: int = 0        # gets that found the chunk
     errors: int = 0
     reader = None        # the tier's RangeReader (it counts bytes_read)
@@ -132,6 +134,11 @@ class ChunkStore(ABC):
     def stats(self) -> list[TierStats]:
         """One entry per tier, fastest first (a single store is one tier)."""
         return [TierStats(self.kind, self.hits, getattr(self.reader, "bytes_read", 0), self.errors)]
+
+    def tag(self, stored: StoredChunk) -> StoredChunk:
+        """`stored`, marked as read from this tier (what ratio="auto" looks up)."""
+        stored.tier = self.label or self.kind
+        return stored
 
     def put_evicted(self, stored: StoredChunk) -> None:
         """Take a chunk another tier evicted (a no-op when it is already here)."""

@@ -236,7 +236,7 @@ class DiskStore(ChunkStore):
         cached = self._verified.get(chunk_id)
         if cached is not None and cached.identity == now:
             self.hits += 1
-            return cached
+            return self.tag(cached)
         self._verified.pop(chunk_id, None)  # changed since it was verified (or never was)
         try:
             stored = self._open_verified(path, chunk_id)
@@ -247,7 +247,7 @@ class DiskStore(ChunkStore):
             raise
         self._verified.put(chunk_id, stored)
         self.hits += 1
-        return stored
+        return self.tag(stored)
 
     def _open_verified(self, path: Path, expected_id: str) -> DiskChunk:
         """Open (regular files only, no symlink), read whole, check everything (store.blob.verify)."""

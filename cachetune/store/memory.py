@@ -176,6 +176,7 @@ class MemoryStore(ChunkStore):
             if stored is not None:
                 self._chunks.move_to_end(chunk_id)
                 self.hits += 1
+                self.tag(stored)
             return stored
 
     def put_scores(self, chunk_id: str, ranker: str, scores: torch.Tensor) -> None:

@@ -182,7 +182,7 @@ class RedisStore(ChunkStore):
             present = self.call(lambda r: r.exists(key))
             if present:
                 self.hits += 1
-                return cached
+                return self.tag(cached)
             self._verified.pop(chunk_id, None)  # evicted by the server, or the server is down
             return None
         blob = self.call(lambda r: r.get(key))
@@ -196,7 +196,7 @@ class RedisStore(ChunkStore):
         stored = RedisChunk(self, key, meta)
         self._verified.put(chunk_id, stored)
         self.hits += 1
-        return stored
+        return self.tag(stored)
 
     def put_scores(self, chunk_id: str, ranker: str, scores: torch.Tensor) -> None:
         key, blob = self.key(chunk_id), pack_scores(chunk_id, ranker, scores, self.fingerprint)

@@ -16,6 +16,7 @@ from functools import cached_property
 import torch
 
 from cachetune.chunks.encode import EncodedChunk
+from cachetune.config import MEDIA as CONFIG_MEDIA, parse_medium
 from cachetune.store.base import ChunkStore, StoredChunk
 
 
@@ -30,11 +31,13 @@ class Medium:
         return reads * self.latency_s + nbytes / self.bandwidth
 
 
-MEDIA = {  # the issue's reference devices
-    "hdd": Medium(150e6, 5e-3),    # a 7200 rpm disk: 150 MB/s, 5 ms a seek
-    "ssd": Medium(500e6, 1e-4),    # a SATA SSD: 500 MB/s, 0.1 ms
-    "nvme": Medium(3e9, 0.0),      # an NVMe SSD: 3 GB/s
-}
+    @classmethod
+    def parse(cls, text: str) -> "Medium":
+        """'hdd', 'ssd', 'nvme', '60MB/s' or '60MB/s+5ms' (config.parse_medium)."""
+        return cls(*parse_medium(text))
+
+
+MEDIA = {name: Medium(*cost) for name, cost in CONFIG_MEDIA.items()}  # the reference devices
 
 
 def _wait_until(deadline: float) -> None:
@@ -107,6 +110,14 @@ class ThrottledStore(ChunkStore):
         self.shared, self.kind = inner.shared, inner.kind
         self._readers: dict[int, ThrottledReader] = {}
 
+    @property
+    def on_evict(self):
+        return self.inner.on_evict  # the inner tier evicts: demotion in a chain goes through it
+
+    @on_evict.setter
+    def on_evict(self, callback) -> None:
+        self.inner.on_evict = callback
+
     def reader_for(self, inner_reader) -> ThrottledReader:
         key = id(inner_reader)
         if key not in self._readers:
@@ -120,7 +131,7 @@ class ThrottledStore(ChunkStore):
         deadline = time.perf_counter() + self.medium.latency_s  # the metadata lookup is one read
         stored = self.inner.get(chunk_id)
         _wait_until(deadline)
-        return ThrottledChunk(stored, self) if stored is not None else None
+        return self.tag(ThrottledChunk(stored, self)) if stored is not None else None
 
     def put_scores(self, chunk_id: str, ranker: str, scores: torch.Tensor) -> None:
         self.inner.put_scores(chunk_id, ranker, scores)

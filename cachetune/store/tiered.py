@@ -29,6 +29,7 @@ from cachetune.store.blob import ModelShape
 from cachetune.store.disk import DiskStore
 from cachetune.store.memory import MemoryStore
 from cachetune.store.redis import RedisStore
+from cachetune.store.throttled import Medium, ThrottledStore
 
 
 class TieredStore(ChunkStore):
@@ -108,11 +109,15 @@ def build_store(specs: Sequence[TierSpec], fingerprint: str, shape: ModelShape, 
         if spec.kind == "gpu":
             if device.type != "cuda":
                 raise ValueError("a gpu tier needs the engine on a CUDA device")
-            tiers.append(MemoryStore(spec.max_bytes, device=device))
+            tier = MemoryStore(spec.max_bytes, device=device)
         elif spec.kind == "cpu":
-            tiers.append(MemoryStore(spec.max_bytes, pinned=device.type == "cuda"))  # async copies to the GPU
+            tier = MemoryStore(spec.max_bytes, pinned=device.type == "cuda")  # async copies to the GPU
         elif spec.kind == "disk":
-            tiers.append(DiskStore(spec.path or default_dir, fingerprint, shape=shape, max_bytes=spec.max_bytes))
+            tier = DiskStore(spec.path or default_dir, fingerprint, shape=shape, max_bytes=spec.max_bytes)
         else:
-            tiers.append(RedisStore(spec.path, fingerprint, shape=shape))
+            tier = RedisStore(spec.path, fingerprint, shape=shape)
+        if spec.throttle:
+            tier = ThrottledStore(tier, Medium.parse(spec.throttle))
+        tier.label = spec.label(default_dir)
+        tiers.append(tier)
     return tiers[0] if len(tiers) == 1 else TieredStore(tiers)
