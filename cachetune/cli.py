@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from cachetune.config import DTYPES, EngineConfig, byte_size
+from cachetune.config import ALLOCATIONS, DTYPES, SIGNALS, EngineConfig, byte_size
 
-CHOICES = {"dtype": sorted(DTYPES)}
+CHOICES = {"dtype": sorted(DTYPES), "allocation": ALLOCATIONS, "signal": SIGNALS}
 
 
 def _flag_type(annotation) -> type:
@@ -190,7 +190,7 @@ def _report_out(report: dict, table: str, json_path: str | None) -> None:
 def cmd_eval(args) -> int:
     from cachetune.eval.datasets import bundled_sample_path
     from cachetune.eval.harness import EvalConfig, config_dict, run_eval
-    from cachetune.eval.report import format_tables, plot_ratio_curves, plot_tradeoff, summarize_records
+    from cachetune.eval.report import format_tables, plot_frontier, plot_ratio_curves, plot_tradeoff, summarize_records
 
     datasets = _datasets(args, str(bundled_sample_path()))
     cfg = EvalConfig(methods=_methods(args.methods), ratio=EngineConfig.ratio if args.ratio is None else args.ratio,
@@ -216,10 +216,23 @@ def cmd_eval(args) -> int:
               "skipped": skipped, "examples": records}
     _report_out(report, format_tables(report), args.json)
     if args.plots:
-        for path in [*plot_tradeoff(report, args.plots), plot_ratio_curves(report, args.plots)]:
+        frontier = plot_frontier(report, args.plots, mark=_default_variant(engine, cfg)) if cfg.ratios else []
+        for path in [*plot_tradeoff(report, args.plots), plot_ratio_curves(report, args.plots), *frontier]:
             if path is not None:
                 print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _default_variant(engine, cfg) -> str | None:
+    """The label of the eval variant that serves exactly as the engine's default method and ratio."""
+    from cachetune.methods import make_method
+
+    default = make_method(engine.config.method, engine.config)
+    for v in cfg.variants():
+        m = make_method(v.method, engine.config, ratio=v.ratio)
+        if m.name.partition(":")[0] == default.name.partition(":")[0] and m.settings == default.settings:
+            return v.label
+    return None
 
 
 def _eval_args(p: argparse.ArgumentParser, methods: str, repeats: int) -> None:

@@ -25,6 +25,10 @@ GiB = 2**30
 MEMORY_TIER_BYTES = 4 * GiB  # a memory tier's budget when none is given
 DISK_TIER_BYTES = 32 * GiB   # a disk tier's budget when none is given
 TIER_ORDER = ("gpu", "cpu", "disk", "redis")  # tier kinds, fastest first
+# How cachetune shares a request's recompute budget among chunks (methods.allocation), and the
+# online signals that may pick tokens within it (methods.signals).
+ALLOCATIONS = ("proportional", "equal", "starts", "spread", "global")
+SIGNALS = ("none", "question", "deviation")
 QUALITY_FLOOR = 0.15  # the paper's r: the recompute share that keeps quality, and calibration's r_min
 # Reference media a tier can be paced to (`disk@hdd`): (bytes per second, seconds per read).
 MEDIA = {
@@ -135,6 +139,8 @@ class EngineConfig:
     min_ratio: float = QUALITY_FLOOR  # r_min: calibration's quality floor; "auto" on a tier never calibrated
     calibration: str | None = None  # the calibration file "auto" reads (None: <cache dir>/calibration.json)
     ranking: str = "first"          # offline ranker stored with each chunk, read by cachetune (chunks.rankers)
+    allocation: str = "proportional"  # how cachetune shares a request's budget among chunks (methods.allocation)
+    signal: str = "none"            # cachetune's online signal within the allocation: none, question, deviation
     alpha: float = 0.5              # share of low frequencies kept by the `lf` ranking
     max_new_tokens: int = 64        # decode budget of a request that sets none
     c2kv_extractor: str = "bundled"  # C2KV extractor: "bundled" (shipped for the model), "paper", "step0" or a file
@@ -156,6 +162,10 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         parse_tiers(self.tiers)  # raises with the bad part named
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {self.allocation!r}")
+        if self.signal not in SIGNALS:
+            raise ValueError(f"signal must be one of {', '.join(SIGNALS)}, got {self.signal!r}")
         if not 0 < self.alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
         for name in ("ratio", "min_ratio"):
@@ -166,7 +176,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        names = ("method", "ranking", "c2kv_extractor", "kvlink_links", "block_attention_weights")
+        names = ("method", "ranking", "allocation", "signal", "c2kv_extractor", "kvlink_links", "block_attention_weights")
         if not all(getattr(self, name) for name in names):
             raise ValueError(f"{', '.join(names)} must be non-empty names")
         if self.device != "auto":

@@ -336,7 +336,7 @@ def test_registry_names_resolve_under_data_dir_with_stable_ids(tmp_path: Path) -
 
 
 def test_registry_covers_every_shared_file() -> None:
-    assert set(DATASETS) == {"musique", "2wikimqa", "hotpotqa", "multi_news", "samsum", "lb_hotpotqa",
+    assert set(DATASETS) == {"musique", "2wikimqa", "hotpotqa", "hotpotqa_heldout", "multi_news", "samsum", "lb_hotpotqa",
                              "lb_2wikimqa", "lb_musique", "lb_samsum", "lb_multi_news"}
     assert {spec.task for spec in DATASETS.values()} == {"qa", "summarization"}
 
@@ -376,20 +376,34 @@ def test_malformed_rows_of_every_format_raise_value_error_naming_the_file(tmp_pa
 
 # --- every registered shared dataset (skipped without shared/data) ------------------------------------
 
-SHARED_SIZES = {"musique": 150, "2wikimqa": 102, "hotpotqa": 500, "multi_news": 200, "samsum": 819,
+SHARED_SIZES = {"musique": 150, "2wikimqa": 102, "hotpotqa": 500, "hotpotqa_heldout": 100, "multi_news": 200, "samsum": 819,
                 "lb_hotpotqa": 13, "lb_2wikimqa": 13, "lb_musique": 7, "lb_samsum": 15, "lb_multi_news": 11}
-DOCS_PER_EXAMPLE = {"musique": 10, "2wikimqa": 10, "hotpotqa": 10, "samsum": SAMSUM_DEMOS}
+DOCS_PER_EXAMPLE = {"musique": 10, "2wikimqa": 10, "hotpotqa": 10, "hotpotqa_heldout": 10, "samsum": SAMSUM_DEMOS}
 
 
 @pytest.mark.parametrize("name", sorted(DATASETS))
 def test_first_examples_of_every_shared_dataset(shared: Path, name: str) -> None:
     examples = load_dataset(name, limit=3)
-    assert [ex.id for ex in examples] == [f"{name}-{i}" for i in range(3)]
+    if name != "hotpotqa_heldout":  # ids are file rows: the held-out rows are a subset
+        assert [ex.id for ex in examples] == [f"{name}-{i}" for i in range(3)]
     for ex in examples:
         assert ex.task == DATASETS[name].task
         assert ex.documents and all(doc.strip() for doc in ex.documents)
         assert len(ex.documents) == DOCS_PER_EXAMPLE.get(name, len(ex.documents))
         assert ex.question.strip() and ex.answers and all(a.strip() for a in ex.answers)
+
+
+def test_heldout_hotpotqa_is_the_split_training_never_reads(shared: Path) -> None:
+    from cachetune.train.data import load_split
+
+    heldout = load_dataset("hotpotqa_heldout")
+    split = load_split()
+    rows = [int(ex.id.rsplit("-", 1)[1]) for ex in heldout]
+    assert rows == sorted(rows) and len(set(rows)) == 100
+    assert [ex.documents for ex in heldout] == [ex.documents for ex in split.heldout]
+    trained = {tuple(ex.documents) for ex in split.train}
+    assert not any(tuple(ex.documents) in trained for ex in heldout)
+    assert [ex.id for ex in load_dataset("hotpotqa_heldout", limit=5)] == [ex.id for ex in heldout[:5]]
 
 
 def test_shared_dataset_sizes_match_the_readme(shared: Path) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from cachetune.eval.datasets import QAExample
 from cachetune.eval.harness import EvalConfig, ProgressLog, Setting, Variant, _Request, run_example
-from cachetune.eval.report import format_tables, summarize_records
+from cachetune.eval.report import best_within, format_tables, pareto_frontier, plot_frontier, summarize_records
 
 
 def test_config_puts_full_recompute_first_once_and_rejects_unknown_methods():
@@ -67,7 +67,9 @@ def test_summary_ratios_percentiles_and_quality_relative_to_full():
               "datasets": {"d": summary}}
     table = format_tables(report)
     assert "| fast | 0.375 |" in table and "### d: 2 examples" in table
-    assert f"| fast | 0.375 | {lo:.2f}-{hi:.2f} | 0 / 2 |" in table
+    assert f"| 0.375 | {lo:.2f}-{hi:.2f} | 0 / 2 |" in table
+    klo, khi = rows["fast"]["kl_to_full_ci"]
+    assert klo <= rows["fast"]["kl_to_full"] <= khi
     json.dumps(report)  # JSON-ready
 
 
@@ -158,3 +160,36 @@ def test_gap_closed_and_loaded_bytes_come_from_gold_nll_and_reused_rows():
                                           "datasets": {"d": summary}})
     plain = summarize_records([_record("d", 0, [10.0], [1.0])], ["full_recompute", "fast"])
     assert "gap_closed" not in plain["d"]["results"][0]  # older records without gold NLL: no column
+
+
+def test_pareto_frontier_keeps_the_points_nothing_beats_on_both_cost_and_loss():
+    points = {"a": (1.0, 0.5), "b": (2.0, 0.3), "c": (2.5, 0.4), "d": (3.0, 0.1), "e": (0.5, 0.9)}
+    assert pareto_frontier(points) == ["e", "a", "b", "d"]  # c: b is cheaper and better
+    assert best_within(points, 2.6) == "b" and best_within(points, 0.1) is None
+
+
+def test_frontier_plots_and_table_for_a_ratio_sweep(tmp_path):
+    records = [_record("d", i, [1000.0], [10.0]) for i in range(2)]
+    for r in records:  # two budgets of one method, a cheaper worse one and a dearer better one
+        r["methods"]["fast@0.1"] = {**r["methods"]["fast"], "ttft_ms": [8.0], "kl": 0.3}
+        r["methods"]["fast@0.3"] = {**r["methods"]["fast"], "ttft_ms": [30.0], "kl": 0.1}
+    labels = ["full_recompute", "fast", "fast@0.1", "fast@0.3"]
+    report = {"model": "m", "dtype": "float32", "threads": 2, "config": {"ratio": 0.15},
+              "datasets": summarize_records(records, labels)}
+    assert "KL Pareto frontier, fastest first" in format_tables(report)
+    (png,) = plot_frontier(report, tmp_path, mark="fast@0.3")
+    assert png.name == "frontier_d.png" and png.stat().st_size > 0
+
+
+def test_run_key_names_the_selection_only_where_a_method_reads_it_from_the_config():
+    from conftest import tiny_engine
+
+    engine = tiny_engine(allocation="spread", signal="question", self_check=False)
+    plain = EvalConfig(methods=["cachetune", "epic"]).run_key(engine)
+    assert (plain["allocation"], plain["signal"]) == ("spread", "question")
+    named = EvalConfig(methods=["cachetune:first:allocation=spread:signal=question", "epic"]).run_key(engine)
+    assert "allocation" not in named and "signal" not in named
+    # explicit names measure the same whatever the defaults: a run resumes under other defaults
+    other = tiny_engine(allocation="proportional", signal="none", self_check=False)
+    assert EvalConfig(methods=["cachetune:first:allocation=spread:signal=question"]).run_key(other) == \
+        EvalConfig(methods=["cachetune:first:allocation=spread:signal=question"]).run_key(engine)

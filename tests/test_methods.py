@@ -16,7 +16,9 @@ from cachetune.methods.prefill import full_prefill, prefix_prefill, pruned_prefi
 from cachetune.methods import prefix_cache
 from cachetune.methods.prefix_cache import PrefixCache
 from cachetune.methods import SelectionRequest, SelectiveMethod, make_method, method_names, split_global_top
+from cachetune.methods.allocation import allocate, proportional_quotas
 from cachetune.methods.cacheslide import CacheSlideSelector
+from cachetune.methods.signals import question_attention, value_deviation
 from conftest import assert_close, build_layout, hf_forward, none_selected, rand_ids
 
 TOL = 1e-4
@@ -87,14 +89,123 @@ def test_ratio_one_of_budgeted_selectors_reproduces_full_prefill(llama, name):
 
 
 def test_budgeted_selectors_spend_round_ratio_of_chunk_tokens(llama):
+    """One budget per request, round(ratio x chunk tokens), whatever the allocation."""
+    _, adapter = llama
+    layout, _ = build_layout(adapter, _parts(chunks=(40, 33, 50, 7)))
+    lengths = [seg.chunk.num_tokens for _, seg in layout.chunk_segments]
+    budget = round(0.2 * sum(lengths) + 1e-9)
+    names = ["cacheblend", "prophetkv", "cacheslide", "cachetune", "random", "l2", "highfreq", "lf_only",
+             *SELECTION_VARIANTS]
+    for name in names:
+        assert sum(s.numel() for s in _select(name, adapter, layout, 0.2)) == budget, name
+    # proportional (cachetune's default): each chunk's share follows its length
+    sel = _select("cachetune:lf:allocation=proportional", adapter, layout, 0.2)
+    assert [s.numel() for s in sel] == proportional_quotas(lengths, budget)
+
+
+SELECTION_VARIANTS = ["cachetune:first:allocation=equal", "cachetune:first:allocation=starts",
+                      "cachetune:first:allocation=starts:signal=question",
+                      "cachetune:first:allocation=global:signal=question:signal_layers=1",
+                      "cachetune:first:allocation=starts:signal=deviation"]
+
+
+@pytest.mark.parametrize("name", SELECTION_VARIANTS)
+def test_every_allocation_and_signal_at_ratio_one_reproduces_full_prefill(llama, name):
+    model, adapter = llama
+    layout, _ = build_layout(adapter, _parts())
+    sel = _select(name, adapter, layout, 1.0)
+    _check_selection_contract(sel, layout)
+    got = selective_prefill(adapter, layout, sel, layout.total)
+    ref, _ = hf_forward(model, layout.input_ids)
+    assert_close(ref[-1], got.logits, TOL, name)
+
+
+@pytest.mark.parametrize("name", SELECTION_VARIANTS)
+def test_every_allocation_and_signal_at_ratio_zero_is_full_reuse(llama, name):
     _, adapter = llama
     layout, _ = build_layout(adapter, _parts())
-    total = sum(seg.chunk.num_tokens for _, seg in layout.chunk_segments)
-    for name in ("cacheblend", "prophetkv", "cacheslide"):  # one budget over the whole context
-        assert sum(s.numel() for s in _select(name, adapter, layout, 0.2)) == round(0.2 * total)
-    for name in ("cachetune", "random", "l2", "highfreq", "lf_only"):  # the budget of each chunk
-        sel = _select(name, adapter, layout, 0.2)
-        assert [s.numel() for s in sel] == [round(0.2 * seg.chunk.num_tokens) for _, seg in layout.chunk_segments]
+    assert all(s.numel() == 0 for s in _select(name, adapter, layout, 0.0))
+
+
+def test_starts_allocation_recomputes_every_chunk_start(llama):
+    _, adapter = llama
+    layout, _ = build_layout(adapter, _parts(chunks=(40, 10, 50)))
+    # budget round(0.3 x 100) = 30; half of it (15) on starts: 5 first tokens of each chunk
+    for signal in ("none", "question", "deviation"):
+        sel = _select(f"cachetune:first:allocation=starts:start_share=0.5:signal={signal}", adapter, layout, 0.3)
+        for s in sel:
+            assert s[:5].tolist() == [0, 1, 2, 3, 4], signal
+
+
+def test_deviation_signal_on_candidates_equals_cacheblend_layer_one_deviation(llama):
+    """Candidates alone run layer 0 in context; their layer-1 value deviation is CacheBlend's exactly."""
+    model, adapter = llama
+    layout, _ = build_layout(adapter, _parts())
+    hidden = _layer_input(model, layout.input_ids, 1)
+    block = model.model.layers[1]
+    fresh = block.self_attn.v_proj(block.input_layernorm(hidden))  # [T, Hkv*D]
+    candidates = [torch.arange(3, seg.chunk.num_tokens, 2) for _, seg in layout.chunk_segments]
+    got = value_deviation(adapter, layout, candidates)
+    for scores, chosen, (start, seg) in zip(got, candidates, layout.chunk_segments):
+        _, v = seg.chunk.load_layer(1, chosen)
+        expected = (fresh[start + chosen] - v.flatten(1).to(fresh.device)).pow(2).sum(dim=1)
+        assert_close(expected, scores[chosen], 1e-4, "deviation")
+        others = torch.ones(seg.chunk.num_tokens, dtype=torch.bool)
+        others[chosen] = False
+        assert torch.isneginf(scores[others]).all()
+
+
+def _question_attention_reference(model, adapter, layers):
+    """A 60-token chunk at position 0 and a 10-token question: (layout, HF's attention of the question
+    rows to the chunk [60], averaged over heads, question rows and the first `layers` layers)."""
+    layout, _ = build_layout(adapter, [(rand_ids(60, 1), True), (rand_ids(10, 2), False)])
+    model.config._attn_implementation = "eager"
+    try:
+        out = model(input_ids=layout.input_ids[None].to(model.device), output_attentions=True)
+    finally:
+        model.config._attn_implementation = "sdpa"
+    attn = torch.stack(out.attentions[:layers])[:, 0]  # [layers, heads, T, T]
+    return layout, attn[:, :, 60:, :60].mean(dim=(0, 1, 2))
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_question_signal_is_the_questions_attention_over_the_first_layers(llama, layers):
+    """One chunk at position 0: full reuse is exact, so HF's own attention is the reference."""
+    model, adapter = llama
+    layout, expected = _question_attention_reference(model, adapter, layers)
+    got, _ = question_attention(adapter, layout, layers)
+    assert_close(expected, got[0], 1e-5, "question attention")
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_prefill_continuing_from_the_question_pass_equals_a_fresh_one(llama, layers):
+    """The question pass keeps its first layers' reused rows; the prefill that continues from them
+    gives the same KV and logits as one that loads everything itself."""
+    _, adapter = llama
+    layout, _ = build_layout(adapter, _parts())
+    scores, prefilled = question_attention(adapter, layout, layers, capacity=layout.total + 5)
+    selections = allocate(scores, 0.3, "starts", comparable=True)
+    fresh = selective_prefill(adapter, layout, selections, layout.total + 5)
+    continued = selective_prefill(adapter, layout, selections, layout.total + 5, prefilled=prefilled)
+    assert torch.equal(fresh.logits, continued.logits)
+    n = layout.total
+    assert torch.equal(fresh.cache.keys[:, :n], continued.cache.keys[:, :n])
+    assert torch.equal(fresh.cache.values[:, :n], continued.cache.values[:, :n])
+
+
+def test_method_names_carry_settings():
+    m = make_method("cachetune:first:allocation=starts:start_share=0.25:signal=question")
+    assert (m.settings.ranking, m.settings.allocation, m.settings.start_share, m.settings.signal) == \
+        ("first", "starts", 0.25, "question")
+    assert make_method("epic:k=4").settings.k == 4
+    assert make_method("cachetune:allocation=equal").settings.ranking == "first"
+    for bad, why in [("epic:allocation=equal", "no setting"), ("epic:k=four", "not of type int"),
+                     ("cachetune:allocation=sideways", "unknown allocation"),
+                     ("cachetune:start_share=2", "start_share must be"),
+                     ("cachetune:signal=psychic", "unknown signal"),
+                     ("cachetune:first:allocation=global:signal=none", "global allocation needs")]:
+        with pytest.raises(ValueError, match=why):
+            make_method(bad)
 
 
 def test_split_global_top_takes_the_best_across_chunks():
@@ -138,15 +249,7 @@ def test_online_deviation_selection_matches_hf_layer_one(llama, name, kind):
 def test_prophetkv_scores_are_the_questions_attention_averaged_over_layers(llama):
     """With one chunk at position 0, full reuse is exact, so the HF model's own attention is the reference."""
     model, adapter = llama
-    parts = [(rand_ids(60, 1), True), (rand_ids(10, 2), False)]
-    layout, _ = build_layout(adapter, parts)
-    model.config._attn_implementation = "eager"
-    try:
-        out = model(input_ids=layout.input_ids[None].to(model.device), output_attentions=True)
-    finally:
-        model.config._attn_implementation = "sdpa"
-    attn = torch.stack(out.attentions)[:, 0]          # [layers, heads, T, T]
-    scores = attn[:, :, 60:, :60].mean(dim=(0, 1, 2))  # question rows, chunk columns
+    layout, scores = _question_attention_reference(model, adapter, adapter.num_layers)
     expected = split_global_top([scores], 0.25)
     got = _select("prophetkv", adapter, layout, 0.25)
     assert got[0].tolist() == expected[0].tolist()

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from cachetune.eval.metrics import (
+    bootstrap_mean,
     exact_match,
     f1_score,
     first_line,
@@ -217,3 +218,13 @@ def test_paired_ratio_without_a_reference_score_is_nan_and_bad_input_raises() ->
         paired_ratio([1.0], [1.0, 0.0])
     with pytest.raises(ValueError, match="equal-length"):
         paired_ratio([], [])
+
+
+def test_bootstrap_mean_brackets_the_mean_and_is_seeded() -> None:
+    values = [0.1, 0.4, 0.2, 0.9, 0.3, 0.5]
+    lo, hi = bootstrap_mean(values)
+    assert lo < sum(values) / len(values) < hi
+    assert (lo, hi) == bootstrap_mean(values)
+    assert bootstrap_mean([0.25, 0.25]) == (0.25, 0.25)
+    with pytest.raises(ValueError):
+        bootstrap_mean([])

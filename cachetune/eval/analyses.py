@@ -26,7 +26,7 @@ from cachetune.eval.harness import DOCUMENT_SEPARATOR, TASK_SYSTEM, Setting, Var
 from cachetune.eval.report import pyplot, save_figure
 from cachetune.methods.full_recompute import FULL_RECOMPUTE
 from cachetune.methods.prefill import selective_prefill
-from cachetune.methods.prophetkv import QuestionAttention
+from cachetune.methods.signals import QuestionAttention
 
 RATIOS = (0.05, 0.10, 0.15, 0.20, 0.30, 0.40)
 ALPHAS = (0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
@@ -42,16 +42,20 @@ ROBUSTNESS_RANKERS = ("lf", "highfreq", "random")
 FULL = Variant(FULL_RECOMPUTE, FULL_RECOMPUTE, 1.0)
 
 
+# These analyses are about offline rankings: each chunk's top r by the ranking alone (no signal).
+OFFLINE = ":allocation=proportional:signal=none"
+
+
 def sweep_variants(ratios=RATIOS, alphas=ALPHAS, alpha_ratio: float = EngineConfig.ratio) -> list[Variant]:
     out = [FULL]
-    out += [Variant(f"r={r:g}", "cachetune", r) for r in ratios]
-    out += [Variant(f"alpha={a:g}", f"cachetune:lf:{a:g}", alpha_ratio) for a in alphas]
+    out += [Variant(f"r={r:g}", "cachetune" + OFFLINE, r) for r in ratios]
+    out += [Variant(f"alpha={a:g}", f"cachetune:lf:{a:g}{OFFLINE}", alpha_ratio) for a in alphas]
     return out
 
 
 def robustness_variants(ratio: float = EngineConfig.ratio, rankers=ROBUSTNESS_RANKERS) -> list[Variant]:
     out = [FULL, Variant("full_reuse", "full_reuse", 0.0)]
-    return out + [Variant(f"cachetune:{r}", f"cachetune:{r}", ratio) for r in rankers]
+    return out + [Variant(f"cachetune:{r}", f"cachetune:{r}{OFFLINE}", ratio) for r in rankers]
 
 
 def plot_sweep(report: dict, path: str | Path) -> Path:

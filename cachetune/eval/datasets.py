@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 TASKS = ("qa", "summarization")
 # Where the registered datasets live when not beside the checkout (e.g. a copy on another machine).
 DATA_DIR_ENV = "CACHETUNE_DATA_DIR"
@@ -238,12 +240,41 @@ def load_longbench_prompts(path: str | Path, limit: int | None = None, name: str
     return examples
 
 
+# --- the held-out HotpotQA split -----------------------------------------------------------------
+
+# `hotpotqa/dev_subsampled.jsonl` is the only set training may read: a fixed permutation holds out
+# HELDOUT of its rows, which no training run ever reads (cachetune.train.data) and evaluation may.
+HELDOUT = 100      # held-out rows (of 500)
+SPLIT_SEED = 0
+
+
+@dataclass(frozen=True)
+class Split:
+    train: list[QAExample]
+    heldout: list[QAExample]
+
+
+def split_examples(examples: list[QAExample], heldout: int = HELDOUT, seed: int = SPLIT_SEED) -> Split:
+    """Fixed held-out split: a seeded permutation, the first `heldout` rows held out (file order kept)."""
+    if not 0 < heldout < len(examples):
+        raise ValueError(f"heldout must be in (0, {len(examples)}), got {heldout}")
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    return Split([examples[i] for i in sorted(order[heldout:])], [examples[i] for i in sorted(order[:heldout])])
+
+
+def load_heldout(path: str | Path, limit: int | None = None, name: str | None = None) -> list[QAExample]:
+    """The first `limit` held-out rows of the HotpotQA file (short chunks: 10 paragraphs of ~120 tokens)."""
+    rows = split_examples(load_ircot(path, None, name)).heldout
+    return rows[:limit] if limit is not None else rows
+
+
 # --- the registry ------------------------------------------------------------------------------
 
 DATASETS: dict[str, DatasetSpec] = {
     "musique": DatasetSpec("musique/musique_s.json", "qa", load_qa),
     "2wikimqa": DatasetSpec("2wikimqa/wikimqa_s_clean.json", "qa", load_qa),
-    "hotpotqa": DatasetSpec("hotpotqa/dev_subsampled.jsonl", "qa", load_ircot),
+    "hotpotqa": DatasetSpec("hotpotqa/dev_subsampled.jsonl", "qa", load_ircot),  # training only
+    "hotpotqa_heldout": DatasetSpec("hotpotqa/dev_subsampled.jsonl", "qa", load_heldout),
     "multi_news": DatasetSpec("multi_news/multi_news.jsonl", "summarization", load_longbench),
     "samsum": DatasetSpec("samsum/test.jsonl", "summarization", load_samsum),
     **{

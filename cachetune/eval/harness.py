@@ -30,7 +30,8 @@ from cachetune.engine.prompt import DEFAULT_SYSTEM, DOCUMENT_SEPARATOR, QUESTION
 from cachetune.eval.datasets import QAExample
 from cachetune.eval.metrics import kl_to_reference, score_answer, top1_agreement
 from cachetune.kvlink.links import LinkTokens
-from cachetune.methods import Prefill, PromptLayout, Segment, is_method, method_names, method_settings
+from cachetune.methods import (Prefill, PromptLayout, Segment, config_settings, is_method, method_names,
+                               method_settings)
 from cachetune.methods.full_recompute import FULL_RECOMPUTE, PREFIX
 from cachetune.runtime.decode import SamplingConfig, generate_tokens
 
@@ -82,6 +83,11 @@ class EvalConfig:
                "max_new_tokens": self.max_new_tokens, "system": self.system}
         if engine.config.ranking != "lf":  # plain "cachetune" means the configured ranking
             key["ranking"] = engine.config.ranking
+        # ... and its selection, when a method reads them from the config (a name may set them)
+        reads = set().union(*(config_settings(m) for m in self.methods))
+        for name, before in (("allocation", "proportional"), ("signal", "none")):
+            if name in reads and getattr(engine.config, name) != before:
+                key[name] = getattr(engine.config, name)
         if engine.adapter.device.type != "cpu":  # GPU timings must not merge with CPU ones
             key["device"] = engine.adapter.device.type
         if self.gold_nll:

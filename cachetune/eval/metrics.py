@@ -138,6 +138,16 @@ def summarize(values: Iterable[float]) -> dict[str, float]:
     }
 
 
+def bootstrap_mean(values: Sequence[float], *, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the mean of per-example values (examples resampled)."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.ndim != 1 or x.size == 0:
+        raise ValueError(f"need a non-empty list of values, got shape {x.shape}")
+    idx = np.random.default_rng(seed).integers(0, x.size, size=(resamples, x.size))
+    lo, hi = np.percentile(x[idx].mean(axis=1), [2.5, 97.5])
+    return float(lo), float(hi)
+
+
 def paired_ratio(scores: Sequence[float], reference: Sequence[float], *, resamples: int = 2000,
                  seed: int = 0) -> dict[str, float]:
     """Mean score over mean reference score on the same examples, with a 95% percentile-bootstrap interval

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from cachetune.methods.full_recompute import FULL_RECOMPUTE
-from cachetune.eval.metrics import paired_ratio, summarize
+from cachetune.eval.metrics import bootstrap_mean, paired_ratio, summarize
 
 METRIC_NAME = {"qa": "f1", "summarization": "rougeL"}
 COLUMNS = ["method", "quality", "quality_vs_full", "kl_to_full", "top1_agree", "answer_match_full",
@@ -56,6 +56,8 @@ def summarize_records(records: list[dict], methods: list[str]) -> dict[str, dict
                 "examples_better": int(paired["better"]),
                 "examples_worse": int(paired["worse"]),
                 "kl_to_full": statistics.fmean(p["kl"] for p in per),
+                "kl_to_full_ci": list(bootstrap_mean([p["kl"] for p in per])),
+                "quality_ci": list(bootstrap_mean([p["score"] for p in per])),
                 "top1_agree": statistics.fmean(_pooled(recs, method, "top1")),
                 "answer_match_full": statistics.fmean(p["match"] for p in per),
                 "ttft_ms_median": ttft["median"],
@@ -106,13 +108,22 @@ def format_tables(report: dict) -> str:
                   "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         for row in ds["results"]:
             parts.append("| " + " | ".join(_cell(row[c]) for c in columns) + " |")
-        parts += ["", f"Paired with full recompute on the same {ds['n_examples']} examples ({ds['metric']}):", "",
-                  "| method | quality_vs_full | 95% bootstrap interval | examples better / worse |", "|---|---|---|---|"]
+        parts += ["", f"95% bootstrap intervals over the {ds['n_examples']} examples; quality paired with full "
+                      f"recompute ({ds['metric']}):", "",
+                  "| method | kl_to_full | interval | quality | interval | quality_vs_full | interval | "
+                  "examples better / worse |", "|---|---|---|---|---|---|---|---|"]
         for row in ds["results"]:
             if row["method"] != FULL_RECOMPUTE:
-                lo, hi = row["quality_vs_full_ci"]
-                parts.append(f"| {row['method']} | {_cell(row['quality_vs_full'])} | {lo:.2f}-{hi:.2f} | "
+                parts.append(f"| {row['method']} | {_cell(row['kl_to_full'])} | {_span(row.get('kl_to_full_ci'))} | "
+                             f"{_cell(row['quality'])} | {_span(row.get('quality_ci'))} | "
+                             f"{_cell(row['quality_vs_full'])} | {_span(row['quality_vs_full_ci'], 2)} | "
                              f"{row['examples_better']} / {row['examples_worse']} |")
+        points = {r["method"]: (r["ttft_ms_median"], r["kl_to_full"]) for r in ds["results"]
+                  if r["method"] != FULL_RECOMPUTE}
+        if any("@" in m for m in points):
+            front = pareto_frontier(points)
+            parts += ["", "KL Pareto frontier, fastest first (median TTFT ms, KL): " + " -> ".join(
+                f"{m} ({points[m][0]:.0f}, {points[m][1]:.3f})" for m in front)]
     return "\n".join(parts)
 
 
@@ -120,6 +131,14 @@ def _cell(value) -> str:
     if isinstance(value, str):
         return value
     return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3f}"
+
+
+def _span(interval, digits: int = 3) -> str:
+    """"lo-hi" of a bootstrap interval (reports written before intervals were kept: blank)."""
+    if not interval:
+        return ""
+    lo, hi = interval
+    return f"{lo:.{digits}f}-{hi:.{digits}f}"
 
 
 def write_json(data: dict, path: str | Path) -> None:
@@ -209,3 +228,67 @@ def plot_ratio_curves(report: dict, out_dir: str | Path) -> Path | None:
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
     return save_figure(fig, Path(out_dir) / "fidelity_vs_ratio.png", f"{report['model']} {report['dtype']}")
+
+
+def pareto_frontier(points: dict[str, tuple[float, float]]) -> list[str]:
+    """Labels of the points no other point beats on both cost and loss (lower is better for both),
+    cheapest first. points: label -> (cost, loss), e.g. (TTFT, KL to full)."""
+    best = float("inf")
+    out = []
+    for label, (cost, loss) in sorted(points.items(), key=lambda kv: (kv[1][0], kv[1][1])):
+        if loss < best:
+            out.append(label)
+            best = loss
+    return out
+
+
+def best_within(points: dict[str, tuple[float, float]], budget: float) -> str | None:
+    """The label with the lowest loss among points that cost at most `budget` (None: none does)."""
+    fits = [(loss, cost, label) for label, (cost, loss) in points.items() if cost <= budget]
+    return min(fits)[2] if fits else None
+
+
+def plot_frontier(report: dict, out_dir: str | Path, mark: str | None = None) -> list[Path]:
+    """Per dataset, KL to full and quality against median TTFT: one line per method across its
+    ratios ("name@r" labels, r written beside each point), single points for methods without a
+    budget, and each panel's Pareto frontier over all of them drawn and circled. `mark` is the label of one
+    variant (the engine's default) drawn as a star. One PNG per dataset: frontier_<dataset>.png."""
+    plt = pyplot()
+    written = []
+    for name, ds in report["datasets"].items():
+        rows = [r for r in ds["results"] if r["method"] != FULL_RECOMPUTE]
+        fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+        for ax, key, ylabel, sign in [(axes[0], "kl_to_full", "KL to full recompute (lower is better)", 1.0),
+                                      (axes[1], "quality", f"{ds['metric']} (higher is better)", -1.0)]:
+            curves: dict[str, list[tuple[float, float, str]]] = {}
+            for r in rows:
+                base, _, ratio = r["method"].partition("@")
+                curves.setdefault(base, []).append((r["ttft_ms_median"] / 1000, r[key], ratio))
+            for i, (base, pts) in enumerate(curves.items()):
+                pts.sort()
+                xs, ys, rs = zip(*pts)
+                style = "-" if len(pts) > 1 else ""
+                ax.plot(xs, ys, style, marker="osD^v<>ph*"[i % 10], color=plt.cm.tab20(i % 20), label=base,
+                        markersize=6, linewidth=1.2)
+                for x, y, rr in pts:
+                    if rr:
+                        ax.annotate(rr, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            # This panel's own frontier: lower KL, or higher quality, at no more TTFT.
+            points = {r["method"]: (r["ttft_ms_median"] / 1000, sign * r[key]) for r in rows}
+            fx = sorted((points[m][0], sign * points[m][1]) for m in pareto_frontier(points))
+            ax.plot(*zip(*fx), color="black", linewidth=2.5, alpha=0.25, label="frontier")
+            ax.scatter(*zip(*fx), s=140, facecolors="none", edgecolors="black", linewidths=1.2)
+            for r in rows:
+                if r["method"] == mark:
+                    ax.scatter([r["ttft_ms_median"] / 1000], [r[key]], marker="*", s=260, color="gold",
+                               edgecolors="black", zorder=5, label="the default")
+            ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda x, _: f"{x:g}"))
+            ax.xaxis.set_minor_formatter(plt.FuncFormatter(lambda x, _: f"{x:g}"))
+            ax.set_xlabel("TTFT median (s, log scale)")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+        title = f"{report['model']} {report['dtype']}, {name} ({ds['n_examples']} ex.)"
+        written.append(save_figure(fig, Path(out_dir) / f"frontier_{name.replace('/', '_')}.png", title))
+    return written

@@ -6,6 +6,7 @@ from cachetune.methods import full_recompute, ape, ranked, cacheblend, cacheslid
 from cachetune.methods.base import (
     METHODS,
     Method,
+    config_settings,
     MethodContext,
     is_method,
     make_method,
@@ -18,5 +19,5 @@ from cachetune.methods.prefill import Prefill
 from cachetune.methods.selector import SelectionRequest, SelectiveMethod, TokenSelector, split_global_top
 
 __all__ = ["METHODS", "Method", "MethodContext", "Prefill", "PromptLayout", "Segment", "SelectionRequest",
-           "SelectiveMethod", "TokenSelector", "is_method", "make_method", "method_names", "method_settings",
+           "SelectiveMethod", "TokenSelector", "config_settings", "is_method", "make_method", "method_names", "method_settings",
            "register", "split_global_top"]

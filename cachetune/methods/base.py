@@ -15,6 +15,7 @@ calls `prepare`, `prefill` and `finish`.
 from __future__ import annotations
 
 import dataclasses
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -167,9 +168,9 @@ class TrainedMethod(Method):
         return None
 
 
-def check_ratio(ratio: float) -> None:
+def check_ratio(ratio: float, name: str = "ratio") -> None:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"ratio must be a number in [0, 1], got {ratio!r}")
+        raise ValueError(f"{name} must be a number in [0, 1], got {ratio!r}")
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,7 @@ class Registered:
 
 
 METHODS: dict[str, Registered] = {}
-SHARED = ("ratio", "ranking")  # settings whose defaults come from the engine's config
+SHARED = ("ratio", "ranking", "allocation", "signal")  # settings whose defaults come from the engine's config
 # Method settings whose defaults come from a config field of another name (setting -> field).
 CONFIG_ALIASES = {"extractor": "c2kv_extractor", "links": "kvlink_links", "weights": "block_attention_weights"}
 IGNORABLE = ("ratio",)         # a request's ratio is ignored by methods without a budget (EPIC, full reuse)
@@ -204,26 +205,56 @@ def method_names() -> list[str]:
     return list(METHODS)
 
 
-def _entry(spec: str) -> tuple[str, Registered, str | None]:
+def _entry(spec: str) -> tuple[str, Registered, str | None, dict[str, str]]:
+    """'name[:arg][:key=value...]' -> (name, its entry, arg or None, the key=value settings)."""
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"a method is named by a non-empty string, got {spec!r}; known: {', '.join(METHODS)}")
-    base, sep, arg = spec.partition(":")
+    parts = spec.split(":")
+    given: dict[str, str] = {}
+    while len(parts) > 1 and _SETTING.fullmatch(parts[-1]):  # trailing key=value parts set settings
+        key, _, value = parts.pop().partition("=")
+        given.setdefault(key, value)
+    base, sep, arg = ":".join(parts).partition(":")
     entry = METHODS.get(base)
     if entry is None:
         raise ValueError(f"unknown method {spec!r}; known: {', '.join(METHODS)} (and cachetune:<ranking>)")
     if sep and entry.suffix is None:
         raise ValueError(f"method {base!r} takes no ':' argument (got {spec!r})")
-    return base, entry, arg if sep else None
+    return base, entry, arg if sep else None, given
+
+
+_SETTING = re.compile(r"[a-z_]+=[^:=]*")
+
+
+def _parse_setting(settings: type, key: str, text: str):
+    """A key=value setting from a method name, converted to its field's type."""
+    types = {f.name: str(f.type) for f in dataclasses.fields(settings)}
+    if key not in types:
+        raise ValueError(f"no setting {key!r} (settings: {sorted(types) or 'none'})")
+    kind = types[key]
+    try:
+        if "bool" in kind:
+            if text not in ("true", "false"):
+                raise ValueError
+            return text == "true"
+        if "int" in kind:
+            return int(text)
+        if "float" in kind:
+            return float(text)
+    except ValueError:
+        raise ValueError(f"setting {key}={text!r} is not of type {kind}") from None
+    return text
 
 
 def make_method(spec: str, config: EngineConfig | None = None, **overrides) -> Method:
-    """Build the method `spec` ("name" or "name:arg") with settings taken, in order of precedence, from
-    `overrides` that are not None, the ":" argument, `config` (ratio, ranking and the trained methods'
-    weights) and the defaults.
+    """Build the method `spec` ("name", "name:arg", either followed by ":key=value" settings, as in
+    "cachetune:first:allocation=starts") with settings taken, in order of precedence, from
+    `overrides` that are not None, the settings in the name, the ":" argument, `config` (ratio,
+    ranking, allocation, signal and the trained methods' weights) and the defaults.
 
     An override the method has no setting for is an error, except `ratio` (methods without a budget
     ignore it, so one ratio can be passed to every method of a comparison)."""
-    base, entry, arg = _entry(spec)
+    base, entry, arg, given = _entry(spec)
     fields = {f.name for f in dataclasses.fields(entry.settings)}
     values: dict[str, Any] = {}
     if config is not None:
@@ -231,6 +262,11 @@ def make_method(spec: str, config: EngineConfig | None = None, **overrides) -> M
         values.update({k: getattr(config, f) for k, f in CONFIG_ALIASES.items() if k in fields})
     if arg is not None:
         values[entry.suffix] = arg
+    for key, text in given.items():
+        try:
+            values[key] = _parse_setting(entry.settings, key, text)
+        except ValueError as exc:
+            raise ValueError(f"method {spec!r}: {exc}") from None
     for key, value in overrides.items():
         if value is None:
             continue
@@ -240,8 +276,8 @@ def make_method(spec: str, config: EngineConfig | None = None, **overrides) -> M
             raise ValueError(f"method {base!r} has no setting {key!r} (its settings: {sorted(fields) or 'none'})")
     method = entry.factory(entry.settings(**values))
     # A ":" setting given as an override names the method as if spelled out ("cachetune:first").
-    given = overrides.get(entry.suffix) if entry.suffix else None
-    method.name = f"{base}:{given}" if given is not None else spec
+    suffixed = overrides.get(entry.suffix) if entry.suffix else None
+    method.name = f"{base}:{suffixed}" if suffixed is not None else spec
     return method
 
 
@@ -256,3 +292,12 @@ def is_method(spec: str) -> bool:
 def method_settings(spec: str) -> type:
     """The settings dataclass of a registered method."""
     return _entry(spec)[1].settings
+
+
+def config_settings(spec: str) -> set[str]:
+    """The SHARED settings the method named `spec` takes from the engine's config: those it has and
+    its name does not set ("cachetune:first" reads allocation and signal, not ranking)."""
+    base, entry, arg, given = _entry(spec)
+    fields = {f.name for f in dataclasses.fields(entry.settings)}
+    named = set(given) | ({entry.suffix} if arg is not None else set())
+    return (fields & set(SHARED)) - named

@@ -88,6 +88,27 @@ def reuse_plan(layout: PromptLayout, selections: list[torch.Tensor]
     return active.nonzero().flatten(), parts, recomputed
 
 
+class Prefilled:
+    """A KVCache whose layers [0, layers) already hold every chunk row of the layout, stored K/V
+    rotated at their positions (a signal pass over the fully reused chunks filled them)."""
+
+    def __init__(self, cache: KVCache, layers: int):
+        self.cache, self.layers = cache, layers
+
+
+class _AfterPrefilled:
+    """ReusedKV over a LayerLoader that skips the layers a Prefilled cache holds already."""
+
+    def __init__(self, loader: LayerLoader, layers: int):
+        self.loader, self.layers, self.rows = loader, layers, loader.rows
+
+    def begin(self, rotate) -> bool:
+        return self.loader.begin(rotate)
+
+    def layer(self, index: int):
+        return None if index < self.layers else self.loader.layer(index)
+
+
 @torch.no_grad()
 def selective_prefill(
     adapter: ModelAdapter,
@@ -97,21 +118,28 @@ def selective_prefill(
     pipeline: Pipeline = Pipeline(),
     observe: ObserveFn | None = None,
     fuse: FuseFn | None = None,
+    prefilled: Prefilled | None = None,
 ) -> Prefill:
     """Recompute uncached text and the selected chunk tokens; reuse all other chunk KV.
 
     selections: per cached chunk (prompt order), sorted local indices to recompute.
-    observe, fuse: passed to forward_active (see there).
+    observe, fuse: passed to forward_active (see there). prefilled: a cache whose first layers hold
+    the reused rows already; it becomes the result's cache, and only later layers are loaded (the
+    result is the same as without it).
     """
     active_pos, parts, recomputed = reuse_plan(layout, selections)
     device = adapter.device
     ids = layout.input_ids[active_pos].to(device)
-    cache = KVCache.empty(
-        adapter.num_layers, max(capacity, layout.total), adapter.num_kv_heads, adapter.head_dim, adapter.dtype, device
-    )
+    if prefilled is not None:
+        cache, skip = prefilled.cache, prefilled.layers
+        cache.ensure_capacity(max(capacity, layout.total))
+    else:
+        cache, skip = KVCache.empty(adapter.num_layers, max(capacity, layout.total), adapter.num_kv_heads,
+                                    adapter.head_dim, adapter.dtype, device), 0
     with LayerLoader(parts, adapter.kv_shape, device, adapter.dtype, pipeline) as loader:
+        reused = _AfterPrefilled(loader, skip) if skip else loader
         hidden = forward_active(
-            adapter, adapter.embed(ids), active_pos.to(device), cache, reused=loader, last_only=True,
+            adapter, adapter.embed(ids), active_pos.to(device), cache, reused=reused, last_only=True,
             observe=observe, fuse=fuse,
         )
     logits = adapter.logits(hidden[-1:])[0]

@@ -8,30 +8,62 @@ from dataclasses import dataclass
 import torch
 
 from cachetune.chunks.rankers import get_ranker
-from cachetune.chunks.ranking import ranking_from_scores, top_share
-from cachetune.config import EngineConfig
-from cachetune.methods.base import Method, NoSettings, RatioSettings, check_ratio, register
-from cachetune.methods.selector import SelectionRequest, SelectiveMethod, TokenSelector, split_global_top
+from cachetune.config import SIGNALS, EngineConfig
+from cachetune.methods.allocation import ALLOCATIONS, START_SHARE, allocate, request_budget, start_count, starts
+from cachetune.methods.base import Method, NoSettings, RatioSettings, check_int, check_ratio, register
+from cachetune.methods.prefill import Prefilled
+from cachetune.methods.selector import SelectionRequest, SelectiveMethod, TokenSelector
+from cachetune.methods.signals import SIGNAL_LAYERS, question_attention, value_deviation
 
 
 class RankedSelector(TokenSelector):
-    """Recompute the top `ratio` of each chunk by a query-independent ranking stored with the chunk.
+    """Recompute round(ratio x chunk tokens) of a request's chunk tokens, shared among its chunks by
+    `allocation` (methods.allocation), picked by the offline ranking stored with each chunk and, with
+    a signal, by what the request itself shows.
 
-    The same chunk recomputes the same tokens wherever it is placed and whatever the question. A
-    ranker whose scores compare across chunks (`global_budget`, the prototype's `lf_v0`) instead
-    takes the top `ratio` of all chunk tokens together. `ranker` None: the engine's default.
+    signal None: the offline ranking picks every token; the same chunk recomputes the same tokens
+    wherever it is placed and whatever the question (a ranker whose scores compare across chunks, the
+    prototype's `lf_v0`, allocates globally). With a signal, the `starts` allocation first gives
+    `start_share` of the budget to every chunk's top-ranked tokens (its first tokens by the default
+    `first` ranking), and the signal picks the rest over the whole context: "question", the
+    question's attention over the reused context in the first `signal_layers` layers; "deviation",
+    CacheBlend's layer-1 value deviation of the tokens the starts leave (methods.signals). `ranker`
+    None: the engine's default.
     """
 
     reads_ranking = True
 
-    def __init__(self, name: str = "cachetune", ranker: str | None = None, drops_unselected: bool = False):
+    def __init__(self, name: str = "cachetune", ranker: str | None = None, drops_unselected: bool = False,
+                 allocation: str = "proportional", start_share: float = START_SHARE, signal: str | None = None,
+                 signal_layers: int = SIGNAL_LAYERS):
         self.name, self.ranker, self.drops_unselected = name, ranker, drops_unselected
+        self.allocation, self.start_share = allocation, start_share
+        self.signal, self.signal_layers = signal, signal_layers
 
     def select(self, request: SelectionRequest, ratio: float) -> list[torch.Tensor]:
-        scores = [request.rankings.scores(chunk, self.ranker) for chunk in request.chunks]
-        if request.rankings.ranker(self.ranker).global_budget:
-            return split_global_top(scores, ratio)
-        return [top_share(ranking_from_scores(s), ratio) for s in scores]
+        return self.choose(request, ratio)[0]
+
+    def choose(self, request: SelectionRequest, ratio: float) -> tuple[list[torch.Tensor], Prefilled | None]:
+        offline = [request.rankings.scores(chunk, self.ranker) for chunk in request.chunks]
+        if self.signal is None:
+            comparable = request.rankings.ranker(self.ranker).global_budget
+            allocation = "global" if comparable and self.allocation == "proportional" else self.allocation
+            return allocate(offline, ratio, allocation, comparable, self.start_share), None
+        prefilled = None
+        if self.signal == "question":  # the pass's first layers are kept: the prefill does not load them again
+            scores, prefilled = question_attention(request.adapter, request.layout, self.signal_layers,
+                                                   request.pipeline, request.capacity)
+        else:  # "deviation": every token the starts leave is a candidate
+            share = self.start_share if self.allocation in ("starts", "spread") else 0.0
+            budget = request_budget([s.numel() for s in offline], ratio)
+            taken = starts(offline, start_count(budget, share))
+            candidates = []
+            for t, s in zip(taken, offline):
+                free = torch.ones(s.numel(), dtype=torch.bool)
+                free[t] = False
+                candidates.append(free.nonzero().flatten())
+            scores = value_deviation(request.adapter, request.layout, candidates, pipeline=request.pipeline)
+        return allocate(scores, ratio, self.allocation, True, self.start_share, ranked=offline), prefilled
 
 
 class FirstTokensSelector(TokenSelector):
@@ -63,12 +95,25 @@ class FullReuseSelector(TokenSelector):
 
 @dataclass(frozen=True)
 class RankedSettings:
-    ratio: float = EngineConfig.ratio      # share of every chunk recomputed
-    ranking: str = EngineConfig.ranking    # offline ranker (cachetune.chunks.rankers)
+    ratio: float = EngineConfig.ratio            # share of the request's chunk tokens recomputed
+    ranking: str = EngineConfig.ranking          # offline ranker (cachetune.chunks.rankers)
+    allocation: str = EngineConfig.allocation    # how the budget is shared among chunks (methods.allocation)
+    start_share: float = START_SHARE             # the `starts` allocation's share of the budget on chunk starts
+    signal: str = EngineConfig.signal            # online signal that picks within the allocation (SIGNALS)
+    signal_layers: int = SIGNAL_LAYERS           # layers the question signal reads
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
         get_ranker(self.ranking)  # a clear error now rather than at the first request
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"unknown allocation {self.allocation!r}; known: {', '.join(ALLOCATIONS)}")
+        if self.signal not in SIGNALS:
+            raise ValueError(f"unknown signal {self.signal!r}; known: {', '.join(SIGNALS)}")
+        check_ratio(self.start_share, "start_share")
+        check_int("signal_layers", self.signal_layers)
+        if self.allocation == "global" and self.signal == "none" and not get_ranker(self.ranking).global_budget:
+            raise ValueError(f"the global allocation needs an online signal or a ranking that compares across "
+                             f"chunks; {self.ranking!r} ranks each chunk alone")
 
 
 @dataclass(frozen=True)
@@ -83,7 +128,10 @@ class EpicSettings:
 @register("cachetune", RankedSettings, suffix="ranking",
           summary="the top `ratio` of each chunk by its offline ranking (cachetune:<ranking> picks one)")
 def _cachetune(settings: RankedSettings) -> Method:
-    return SelectiveMethod(RankedSelector("cachetune", settings.ranking), settings)
+    signal = None if settings.signal == "none" else settings.signal
+    return SelectiveMethod(RankedSelector("cachetune", settings.ranking, allocation=settings.allocation,
+                                          start_share=settings.start_share, signal=signal,
+                                          signal_layers=settings.signal_layers), settings)
 
 
 @register("full_reuse", summary="nothing but uncached text (r = 0)")

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
-from cachetune.chunks.ranking import top_share
+from cachetune.methods.allocation import global_top, request_budget
 from cachetune.methods.base import Method, MethodContext, RankingSource
 from cachetune.methods.layout import PromptLayout
-from cachetune.methods.prefill import Prefill, pruned_prefill, selective_prefill
+from cachetune.methods.prefill import Prefill, Prefilled, pruned_prefill, selective_prefill
 from cachetune.model.adapter import ModelAdapter
 from cachetune.runtime.forward import FuseFn
+from cachetune.runtime.loading import Pipeline
 from cachetune.store.base import StoredChunk
 
 
@@ -30,6 +31,8 @@ class SelectionRequest:
     layout: PromptLayout
     adapter: ModelAdapter
     rankings: RankingSource
+    capacity: int = 0              # KV rows the prefill will allocate (prompt + decoding room)
+    pipeline: Pipeline = Pipeline()  # how the request loads reused KV (a selector's own pass too)
 
     @property
     def chunks(self) -> list[StoredChunk]:
@@ -55,6 +58,11 @@ class TokenSelector(ABC):
     @abstractmethod
     def select(self, request: SelectionRequest, ratio: float) -> list[torch.Tensor]: ...
 
+    def choose(self, request: SelectionRequest, ratio: float) -> tuple[list[torch.Tensor], Prefilled | None]:
+        """`select`, plus the cache of a pass the selector ran over the fully reused chunks, which the
+        prefill continues from instead of loading those layers again (default: no pass, None)."""
+        return self.select(request, ratio), None
+
     def fusion(self, request: SelectionRequest, selections: list[torch.Tensor]) -> FuseFn | None:
         """Optional: how recomputed K/V are blended with the stored ones (CacheSlide); None = replace."""
         return None
@@ -66,17 +74,7 @@ def split_global_top(scores: list[torch.Tensor], ratio: float) -> list[torch.Ten
     scores: one [N_i] tensor per chunk. Online methods select one shared budget across the context, so
     a chunk the query cares about can take more than `ratio` of its own tokens.
     """
-    if not scores:  # a prompt without cached chunks
-        return []
-    flat = torch.cat([s.float().cpu() for s in scores])
-    chosen = top_share(torch.sort(flat, descending=True, stable=True).indices, ratio)
-    out, start = [], 0
-    for s in scores:
-        n = s.numel()
-        mask = (chosen >= start) & (chosen < start + n)
-        out.append(chosen[mask] - start)
-        start += n
-    return out
+    return global_top(scores, request_budget([s.numel() for s in scores], ratio))
 
 
 class SelectiveMethod(Method):
@@ -96,9 +94,10 @@ class SelectiveMethod(Method):
             ctx.rankings.scores(chunk, self.selector.ranker)
 
     def prefill(self, ctx: MethodContext, layout: PromptLayout, capacity: int) -> Prefill:
-        request = SelectionRequest(layout, ctx.adapter, ctx.rankings)
-        selections = self.selector.select(request, self.ratio)
+        request = SelectionRequest(layout, ctx.adapter, ctx.rankings, capacity, ctx.pipeline)
+        selections, prefilled = self.selector.choose(request, self.ratio)
         if self.selector.drops_unselected:
             return pruned_prefill(ctx.adapter, layout, selections, capacity)
         fuse = self.selector.fusion(request, selections)
-        return selective_prefill(ctx.adapter, layout, selections, capacity, ctx.pipeline, fuse=fuse)
+        return selective_prefill(ctx.adapter, layout, selections, capacity, ctx.pipeline, fuse=fuse,
+                                 prefilled=prefilled)

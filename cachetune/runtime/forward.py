@@ -37,9 +37,10 @@ class ReusedKV(Protocol):
         positions. True: layer() returns keys already rotated with it (deferred RoPE on the loading
         path); False: they come pre-RoPE and the forward rotates them."""
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Keys (pre-RoPE unless begin() said otherwise) and values [R, Hkv, D] of layer `index`,
-        in `rows` order."""
+        in `rows` order; None when that layer's rows are in the cache already (a pass before
+        filled them)."""
 
 
 CaptureFn = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -98,8 +99,9 @@ def forward_active(
     rotated = reused.begin(rotate_reused) if rr is not None else False
     for layer in layers:
         info = adapter.layer_info[layer]
-        if rr is not None:
-            rk, rv = reused.layer(layer)
+        loaded = reused.layer(layer) if rr is not None else None
+        if loaded is not None:
+            rk, rv = loaded
             cache.keys[layer].index_copy_(0, rr, rk if rotated else rotate_reused(layer, rk))
             cache.values[layer].index_copy_(0, rr, rv)
         q, k, v = adapter.project_qkv(layer, hidden)

@@ -15,11 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from cachetune.engine.prompt import DEFAULT_SYSTEM
-from cachetune.eval.datasets import QAExample, load_dataset
+from cachetune.eval.datasets import HELDOUT, SPLIT_SEED, QAExample, Split, load_dataset, split_examples  # noqa: F401
 
 TRAIN_SET = "hotpotqa"
-HELDOUT = 100      # held-out rows (of 500)
-SPLIT_SEED = 0
 # System prompts drawn per training step (the paper samples them from a small pool); the first is the
 # one requests use by default, so serving sees a prompt training knows.
 SYSTEM_POOL = (
@@ -27,20 +25,6 @@ SYSTEM_POOL = (
     "Use the passages to answer the question. Reply with the answer only.",
     "Read the documents and answer the question briefly, with no explanation.",
 )
-
-
-@dataclass(frozen=True)
-class Split:
-    train: list[QAExample]
-    heldout: list[QAExample]
-
-
-def split_examples(examples: list[QAExample], heldout: int = HELDOUT, seed: int = SPLIT_SEED) -> Split:
-    """Fixed held-out split: a seeded permutation, the first `heldout` rows held out."""
-    if not 0 < heldout < len(examples):
-        raise ValueError(f"heldout must be in (0, {len(examples)}), got {heldout}")
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
-    return Split([examples[i] for i in sorted(order[heldout:])], [examples[i] for i in sorted(order[:heldout])])
 
 
 def load_split(heldout: int = HELDOUT, seed: int = SPLIT_SEED) -> Split:

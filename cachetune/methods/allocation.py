@@ -1,0 +1,169 @@
+"""How one request's recompute budget is shared among its chunks (pure functions on tensors).
+
+A request recomputes `budget = round(ratio * chunk tokens)` chunk tokens in all, whatever the
+allocation. The allocation decides how many each chunk gets and which:
+
+- `proportional`: chunk i gets its share of the budget in proportion to its length (largest
+  remainders; CacheTune's per-chunk top r), its top tokens by the ranking;
+- `equal`: the same count for every chunk (water-filled: a chunk shorter than the share gives the
+  rest to the others), EPIC's shape at any ratio;
+- `starts`: a share `start_share` of the budget goes to every chunk's top tokens by its offline
+  ranking, the same count for each (water-filled); with the default `first` ranking those are the
+  chunk's first tokens. The remainder goes by the scores: over the whole context when they compare
+  across chunks (an online signal), otherwise in proportion to what each chunk has left;
+- `spread`: `starts`, with the remainder always in proportion to what each chunk has left (picked
+  within each chunk by the scores): the recomputed tokens stay spread over the prompt like the
+  chunks are, so their attention costs what `first`'s does (an online signal's favourites sit late
+  in the prompt, and a late token attends over more keys);
+- `global`: the top `budget` tokens of the whole context by scores that compare across chunks
+  (CacheBlend, ProphetKV).
+
+Drift sits at the start of every chunk whatever its length, which is why a per-chunk proportional
+budget starves short chunks: `starts` and `equal` give every chunk its start.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cachetune.config import ALLOCATIONS
+START_SHARE = 0.75  # the `starts` allocation's share of the budget spent on chunk starts (issue 16)
+
+
+def request_budget(lengths: list[int], ratio: float) -> int:
+    """round(ratio * total chunk tokens): the chunk tokens a request recomputes (half rounds up)."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+    return min(sum(lengths), int(math.floor(ratio * sum(lengths) + 0.5)))
+
+
+def proportional_quotas(lengths: list[int], budget: int) -> list[int]:
+    """Counts per chunk in proportion to `lengths`, summing to `budget` (largest remainders; ties go
+    to the earlier chunk). Each count is at most its chunk's length."""
+    total = sum(lengths)
+    if budget < 0 or budget > total:
+        raise ValueError(f"budget must be in [0, {total}], got {budget}")
+    if total == 0:
+        return [0] * len(lengths)
+    exact = [budget * n / total for n in lengths]
+    quotas = [int(math.floor(e)) for e in exact]
+    order = sorted(range(len(lengths)), key=lambda i: (-(exact[i] - quotas[i]), i))
+    for i in order[: budget - sum(quotas)]:
+        quotas[i] += 1
+    return quotas
+
+
+def equal_quotas(lengths: list[int], budget: int) -> list[int]:
+    """The same count per chunk, summing to `budget`; a chunk shorter than its share keeps all of its
+    tokens and the others share the rest (water-filling). Leftover units go to the earlier chunks."""
+    total = sum(lengths)
+    if budget < 0 or budget > total:
+        raise ValueError(f"budget must be in [0, {total}], got {budget}")
+    quotas = [0] * len(lengths)
+    left = budget
+    open_ = [i for i, n in enumerate(lengths) if n > 0]
+    while left > 0 and open_:
+        share = max(1, left // len(open_))
+        for i in list(open_):
+            take = min(share, lengths[i] - quotas[i], left)
+            quotas[i] += take
+            left -= take
+            if quotas[i] == lengths[i]:
+                open_.remove(i)
+            if left == 0:
+                break
+    return quotas
+
+
+def top_by_score(scores: torch.Tensor, count: int, exclude: torch.Tensor | None = None) -> torch.Tensor:
+    """The `count` highest-scoring local indices (sorted), ties to the earlier token; `exclude` [N]
+    bool marks indices that may not be taken."""
+    s = scores.float().cpu().clone()
+    if exclude is not None:
+        s[exclude] = float("-inf")
+    order = torch.sort(s, descending=True, stable=True).indices[:count]
+    return torch.sort(order).values
+
+
+def _fill(scores: list[torch.Tensor], quotas: list[int], taken: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Per chunk: the already taken indices plus its quota of the best others."""
+    out = []
+    for i, (s, q) in enumerate(zip(scores, quotas)):
+        done = taken[i] if taken is not None else torch.empty(0, dtype=torch.int64)
+        exclude = torch.zeros(s.numel(), dtype=torch.bool)
+        exclude[done] = True
+        extra = top_by_score(s, q, exclude)
+        out.append(torch.sort(torch.cat([done, extra])).values)
+    return out
+
+
+def global_top(scores: list[torch.Tensor], count: int, taken: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """`count` more indices over all chunks together by score (scores must compare across chunks),
+    added to `taken`; returned per chunk (sorted, local)."""
+    lengths = [s.numel() for s in scores]
+    if not scores:
+        return []
+    flat = torch.cat([s.float().cpu() for s in scores])
+    exclude = torch.zeros(flat.numel(), dtype=torch.bool)
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    if taken is not None:
+        for i, t in enumerate(taken):
+            exclude[t + offsets[i]] = True
+    chosen = top_by_score(flat, count, exclude)
+    out = []
+    for i in range(len(scores)):
+        local = chosen[(chosen >= offsets[i]) & (chosen < offsets[i + 1])] - offsets[i]
+        done = taken[i] if taken is not None else torch.empty(0, dtype=torch.int64)
+        out.append(torch.sort(torch.cat([done, local])).values)
+    return out
+
+
+def starts(ranked: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """`count` tokens in all, the same number of every chunk's top tokens by its offline scores
+    `ranked` (water-filled: a chunk shorter than its share gives the rest to the others). By
+    position scores (the `first` ranking) these are the chunks' first tokens."""
+    return _fill(ranked, equal_quotas([s.numel() for s in ranked], count))
+
+
+def start_count(budget: int, start_share: float) -> int:
+    """How much of a budget the `starts` allocation spends on chunk starts (half rounds up)."""
+    if not 0.0 <= start_share <= 1.0:
+        raise ValueError(f"start_share must be in [0, 1], got {start_share}")
+    return int(math.floor(start_share * budget + 0.5))
+
+
+def allocate(scores: list[torch.Tensor], ratio: float, allocation: str = "proportional",
+             comparable: bool = False, start_share: float = START_SHARE,
+             ranked: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The chunk tokens to recompute: one sorted int64 tensor of local indices per chunk, round(ratio *
+    chunk tokens) in all (see the module doc for each allocation).
+
+    scores: one [N_i] vector per chunk, higher first; `comparable`: whether they compare across
+    chunks (required by `global`, and what `starts` uses for its remainder). ranked: the offline
+    scores that pick the `starts` share (default: `scores` when they do not compare across chunks,
+    otherwise position)."""
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"unknown allocation {allocation!r}; known: {', '.join(ALLOCATIONS)}")
+    start_count(0, start_share)  # validates the share
+    lengths = [s.numel() for s in scores]
+    budget = request_budget(lengths, ratio)
+    if allocation == "proportional":
+        return _fill(scores, proportional_quotas(lengths, budget))
+    if allocation == "equal":
+        return _fill(scores, equal_quotas(lengths, budget))
+    if allocation == "global":
+        if not comparable:
+            raise ValueError("the global allocation needs scores that compare across chunks (an online signal)")
+        return global_top(scores, budget)
+    if ranked is None:  # starts / spread
+        ranked = [torch.arange(n, 0, -1, dtype=torch.float32) for n in lengths] if comparable else scores
+    first = starts(ranked, start_count(budget, start_share))
+    left = budget - sum(t.numel() for t in first)
+    if comparable and allocation == "starts":
+        return global_top(scores, left, taken=first)
+    rest = proportional_quotas([n - t.numel() for n, t in zip(lengths, first)], left)
+    return _fill(scores, rest, taken=first)

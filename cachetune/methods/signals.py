@@ -1,0 +1,125 @@
+"""Online selection signals: per-token scores a request computes from its own layout, at a small share
+of a prefill, so a selector can pick what depends on the question and on the neighbours.
+
+- `question_attention`: the question's attention over the context, read while the uncached text runs
+  over the fully reused chunks through the first `layers` layers (ProphetKV's score at a fraction of
+  its cost: ProphetKV reads every layer);
+- `value_deviation`: CacheBlend's deviation at layer 1, computed only for candidate tokens: they run
+  layer 0 in context (layer-0 K/V never depend on context, so the stored ones are exact for everyone
+  else) and their fresh layer-1 values are compared with the stored ones. For the candidates this is
+  exactly CacheBlend's score, at the cost of |candidates| / N of one layer.
+
+Both count toward the request's time to first token. Scores compare across chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cachetune.methods.layout import PromptLayout
+from cachetune.methods.prefill import Prefilled, reuse_plan
+from cachetune.model.adapter import ModelAdapter
+from cachetune.runtime.forward import ObserveFn, forward_active
+from cachetune.runtime.kv_cache import KVCache
+from cachetune.runtime.loading import LayerLoader, Pipeline
+
+# Layers the question signal reads: the first two carry little (positional heads); from the fourth
+# on, the gain per layer is small on SmolLM2 while the pass costs more (docs/results.md, issue 16).
+SIGNAL_LAYERS = 4
+
+
+class QuestionAttention:
+    """A forward observer: per layer, the question's attention over every key position.
+
+    The question is the layout's last segment (it ends the prompt, so its queries are the last
+    active rows). per_layer[l] is [total] float32: softmax attention averaged over heads and question
+    positions (causal; each row sums to 1, so the vector does too).
+    """
+
+    def __init__(self, adapter: ModelAdapter, layout: PromptLayout):
+        self.adapter = adapter
+        self.q_pos = torch.arange(layout.starts[-1], layout.total, device=adapter.device)
+        self.total = layout.total
+        self.per_layer: list[torch.Tensor] = []
+
+    def __call__(self, layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
+        groups = q.shape[1] // keys.shape[1]
+        qq = q[-self.q_pos.numel():].float()                         # [Tq, H, D]
+        k = keys.float().repeat_interleave(groups, dim=1)            # [end, H, D]
+        logits = torch.einsum("thd,shd->hts", qq, k) * self.adapter.layer_info[layer].scale
+        causal = torch.arange(keys.shape[0], device=k.device)[None, :] > self.q_pos[:, None]
+        probs = torch.softmax(logits.masked_fill(causal, float("-inf")), dim=-1)
+        row = torch.zeros(self.total, device=k.device)
+        row[: keys.shape[0]] = probs.mean(dim=(0, 1))
+        self.per_layer.append(row)
+
+    def mean(self) -> torch.Tensor:
+        return torch.stack(self.per_layer).mean(dim=0)
+
+
+def per_chunk(layout: PromptLayout, row: torch.Tensor) -> list[torch.Tensor]:
+    """A score per prompt position [total] -> one [N_i] float32 CPU vector per chunk (prompt order)."""
+    row = row.float().cpu()
+    return [row[start:start + seg.chunk.num_tokens] for start, seg in layout.chunk_segments]
+
+
+@torch.no_grad()
+def observe_reuse(adapter: ModelAdapter, layout: PromptLayout, layers: int, observe: ObserveFn,
+                  pipeline: Pipeline = Pipeline(), capacity: int = 0) -> Prefilled:
+    """Run the uncached text over the fully reused chunks through layers [0, layers) for `observe`.
+
+    Returns the pass's cache (every layer allocated, `capacity` rows at least): its first `layers`
+    layers hold every chunk row, so a selective prefill can continue from it instead of loading them
+    again (methods.prefill.Prefilled)."""
+    layers = max(1, min(layers, adapter.num_layers))
+    none = [torch.empty(0, dtype=torch.int64) for _ in layout.chunk_segments]
+    active_pos, parts, _ = reuse_plan(layout, none)
+    device = adapter.device
+    cache = KVCache.empty(adapter.num_layers, max(capacity, layout.total), adapter.num_kv_heads, adapter.head_dim,
+                          adapter.dtype, device)
+    shape = (layers, adapter.num_kv_heads, adapter.head_dim)
+    with LayerLoader(parts, shape, device, adapter.dtype, pipeline) as loader:
+        forward_active(adapter, adapter.embed(layout.input_ids[active_pos].to(device)), active_pos.to(device),
+                       cache, reused=loader, observe=observe, layers=range(layers))
+    return Prefilled(cache, layers)
+
+
+def question_attention(adapter: ModelAdapter, layout: PromptLayout, layers: int, pipeline: Pipeline = Pipeline(),
+                       capacity: int = 0) -> tuple[list[torch.Tensor], Prefilled]:
+    """Per chunk [N_i]: the question's attention to each token, averaged over heads, question positions
+    and layers [0, layers), with every chunk token reused (all layers: ProphetKV's score); and the
+    pass's cache (see observe_reuse)."""
+    observer = QuestionAttention(adapter, layout)
+    prefilled = observe_reuse(adapter, layout, layers, observer, pipeline, capacity)
+    return per_chunk(layout, observer.mean()), prefilled
+
+
+@torch.no_grad()
+def value_deviation(adapter: ModelAdapter, layout: PromptLayout, candidates: list[torch.Tensor],
+                    check_layer: int = 1, pipeline: Pipeline = Pipeline()) -> list[torch.Tensor]:
+    """Per chunk [N_i]: how far each candidate's value at `check_layer` moves from the stored one when
+    it runs the layers below in context (squared L2); -inf for tokens that are not candidates.
+
+    Only the candidates and the uncached text run; everyone else's KV below the check layer is
+    reused. At check_layer 1 that is exact (layer-0 K/V do not depend on context); above it, an
+    approximation of CacheBlend's score, which runs every token in full below the check layer."""
+    check = max(1, min(check_layer, adapter.num_layers - 1))
+    active_pos, parts, _ = reuse_plan(layout, candidates)
+    device = adapter.device
+    cache = KVCache.empty(check, layout.total, adapter.num_kv_heads, adapter.head_dim, adapter.dtype, device)
+    shape = (check, adapter.num_kv_heads, adapter.head_dim)
+    with LayerLoader(parts, shape, device, adapter.dtype, pipeline) as loader:
+        hidden = forward_active(adapter, adapter.embed(layout.input_ids[active_pos].to(device)),
+                                active_pos.to(device), cache, reused=loader, layers=range(check))
+    _, _, v = adapter.project_qkv(check, hidden)  # [T, Hkv, D], T = active tokens in position order
+    where = torch.full((layout.total,), -1, dtype=torch.int64)
+    where[active_pos] = torch.arange(active_pos.numel())
+    out = []
+    for (start, seg), chosen in zip(layout.chunk_segments, candidates):
+        scores = torch.full((seg.chunk.num_tokens,), float("-inf"))
+        if chosen.numel():
+            _, old_v = seg.chunk.load_layer(check, chosen)
+            new_v = v[where[start + chosen].to(device)]
+            scores[chosen] = (new_v.float() - old_v.to(device).float()).pow(2).sum(dim=(1, 2)).cpu()
+        out.append(scores)
+    return out

@@ -1,0 +1,108 @@
+"""Fidelity-only comparison of selections (issue 16, parts 1 and 2): KL to full recompute and TTFT.
+
+Every variant is teacher-forced on full recompute's greedy answer (no answer of its own is decoded,
+so many variants fit in one run) and its time to first token measured once per example, in the same
+run as every other variant. Resumable: rows already in the output file are skipped.
+
+    python scripts/selection_kl.py --data hotpotqa_heldout --limit 12 --variants FILE --out OUT.jsonl
+    python scripts/selection_kl.py --summary OUT.jsonl [...]
+
+FILE holds one method spec per line ("cachetune:first:allocation=starts:signal=question", ...);
+plain "cachetune" is each chunk's top r by the `first` ranking alone (what the default was before).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from tqdm import tqdm
+
+from cachetune.config import EngineConfig
+from cachetune.engine.engine import Engine
+from cachetune.eval.datasets import load_dataset
+from cachetune.eval.harness import Variant, _teacher_forced_logits, prepare
+from cachetune.eval.metrics import kl_to_reference
+from cachetune.methods.full_recompute import FULL_RECOMPUTE
+
+
+def run(args) -> None:
+    specs = [line.strip() for line in Path(args.variants).read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    config = EngineConfig(model=args.model, threads=args.threads, allocation="proportional", signal="none")
+    engine = Engine.from_pretrained(config=config)
+    out = Path(args.out)
+    done = set()
+    if out.exists():
+        done = {(r["id"], r["variant"]) for r in map(json.loads, out.read_text().splitlines()) if r}
+    full = Variant(FULL_RECOMPUTE, FULL_RECOMPUTE, args.ratio)
+    variants = [Variant(s, s, args.ratio) for s in specs]
+    warm = False
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
+        for ex in tqdm(load_dataset(args.data, args.limit), desc=args.data, unit="example"):
+            todo = [v for v in variants if (ex.id, v.label) not in done]
+            if not todo:
+                continue
+            req = prepare(engine, ex, [full, *todo])
+            if not warm:  # untimed: first-call allocations and thread start-up
+                for v in [full, *todo]:
+                    req.start(v, 1)
+                warm = True
+            result, full_ms = req.start(full, 40)
+            answer = req.decode(result)
+            result.cache.truncate(result.prompt_rows)
+            reference = _teacher_forced_logits(engine, result, answer)
+            chunk_tokens = sum(engine.chunk(c).num_tokens for c in req.chunk_ids)
+            for v in todo:
+                result, ms = req.start(v, 40)
+                kl = float(kl_to_reference(reference, _teacher_forced_logits(engine, result, answer)).mean())
+                f.write(json.dumps({"id": ex.id, "variant": v.label, "kl": kl, "ttft": ms, "full_ttft": full_ms,
+                                    "share": result.recomputed_chunk_tokens / max(1, chunk_tokens),
+                                    "prompt": result.prompt_tokens}) + "\n")
+                f.flush()
+
+
+def summary(paths: list[str], baseline: str = "cachetune") -> str:
+    """Markdown: per file, mean KL and mean per-example TTFT ratio to `baseline`, on the examples
+    every variant has."""
+    parts = []
+    for path in paths:
+        by: dict[str, dict[str, dict]] = defaultdict(dict)
+        for row in map(json.loads, Path(path).read_text().splitlines()):
+            by[row["variant"]][row["id"]] = row
+        ids = set.intersection(*(set(v) for v in by.values()))
+        base = by[baseline]
+        parts += [f"{path}: {len(ids)} examples, ~{statistics.fmean(base[i]['prompt'] for i in ids):.0f} prompt tokens",
+                  "", "| variant | KL to full | TTFT / baseline | recomputed share |", "|---|---|---|---|"]
+        for name, rows in by.items():
+            kl = statistics.fmean(rows[i]["kl"] for i in ids)
+            rel = statistics.fmean(rows[i]["ttft"] / base[i]["ttft"] for i in ids)
+            share = statistics.fmean(rows[i]["share"] for i in ids)
+            parts.append(f"| {name} | {kl:.4f} | {rel:.2f} | {share:.3f} |")
+        parts.append("")
+    return "\n".join(parts)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--data")
+    p.add_argument("--limit", type=int)
+    p.add_argument("--ratio", type=float, default=EngineConfig.ratio)
+    p.add_argument("--variants")
+    p.add_argument("--out")
+    p.add_argument("--summary", nargs="+", help="print the tables of these output files instead of running")
+    args = p.parse_args()
+    if args.summary:
+        print(summary(args.summary))
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The request budget and its allocation among chunks (pure functions: no model)."""
+
+import pytest
+import torch
+
+from cachetune.methods.allocation import (
+    allocate,
+    equal_quotas,
+    proportional_quotas,
+    request_budget,
+    starts,
+)
+
+
+def positions(lengths):
+    """Scores of the `first` ranking: earlier tokens first (not comparable across chunks)."""
+    return [torch.arange(n, 0, -1, dtype=torch.float32) for n in lengths]
+
+
+def total(selection):
+    return sum(int(s.numel()) for s in selection)
+
+
+def test_request_budget_is_rounded_share_of_all_chunk_tokens():
+    assert request_budget([100, 20, 30], 0.15) == 23  # 22.5 rounds up
+    assert request_budget([10, 10], 0.0) == 0
+    assert request_budget([10, 10], 1.0) == 20
+    with pytest.raises(ValueError):
+        request_budget([10], 1.5)
+
+
+@pytest.mark.parametrize("lengths,budget", [([100, 20, 30], 22), ([7, 7, 7], 10), ([1, 50, 3], 54), ([5], 0)])
+def test_quotas_sum_to_the_budget_and_fit_their_chunks(lengths, budget):
+    for quotas in (proportional_quotas(lengths, budget), equal_quotas(lengths, budget)):
+        assert sum(quotas) == budget
+        assert all(0 <= q <= n for q, n in zip(quotas, lengths))
+
+
+def test_proportional_follows_lengths_and_equal_does_not():
+    assert proportional_quotas([100, 20, 30], 15) == [10, 2, 3]
+    assert equal_quotas([100, 20, 30], 15) == [5, 5, 5]
+
+
+def test_equal_water_fills_short_chunks():
+    # A 3-token chunk cannot take a third of 30: it keeps all 3, the others share the rest.
+    assert equal_quotas([100, 3, 100], 30) == [14, 3, 13]
+
+
+def test_every_allocation_spends_exactly_the_request_budget():
+    lengths = [120, 35, 600, 8]
+    offline = positions(lengths)
+    online = [torch.rand(n, generator=torch.Generator().manual_seed(n)) for n in lengths]
+    budget = request_budget(lengths, 0.15)
+    for allocation in ("proportional", "equal", "starts"):
+        assert total(allocate(offline, 0.15, allocation)) == budget
+    for allocation in ("proportional", "equal", "starts", "global"):
+        picked = allocate(online, 0.15, allocation, comparable=True)
+        assert total(picked) == budget
+        for s, n in zip(picked, lengths):
+            assert torch.equal(s, torch.unique(s)) and (s.numel() == 0 or (s[0] >= 0 and s[-1] < n))
+
+
+def test_starts_take_every_chunk_start_then_the_best_scores_anywhere():
+    scores = [torch.zeros(40), torch.zeros(40)]
+    scores[1][30] = 5.0  # the one token an online signal singles out, deep in the second chunk
+    picked = allocate(scores, 9 / 80, "starts", comparable=True, start_share=8 / 9)  # 8 of 9 on starts
+    assert picked[0].tolist() == [0, 1, 2, 3]
+    assert picked[1].tolist() == [0, 1, 2, 3, 30]
+
+
+def test_starts_are_the_same_first_tokens_of_every_chunk():
+    assert [s.tolist() for s in starts(positions([40, 40, 40]), 6)] == [[0, 1], [0, 1], [0, 1]]
+    assert [s.numel() for s in starts(positions([3, 40]), 30)] == [3, 27]  # a short chunk gives the rest away
+
+
+def test_starts_follow_the_offline_ranking_and_the_signal_takes_the_rest():
+    ranked = [torch.tensor([0.0, 5.0, 1.0, 0.0]), torch.tensor([3.0, 0.0, 0.0, 9.0])]
+    online = [torch.tensor([9.0, 0.0, 0.0, 0.0]), torch.tensor([0.0, 0.0, 0.1, 0.0])]
+    picked = allocate(online, 0.5, "starts", comparable=True, start_share=0.5, ranked=ranked)
+    # budget 4: two on starts (each chunk's top-ranked token: 1 and 3), two by the signal (0 and 2)
+    assert [s.tolist() for s in picked] == [[0, 1], [2, 3]]
+
+
+def test_proportional_on_first_is_the_first_tokens_of_each_chunk():
+    picked = allocate(positions([100, 20]), 0.25, "proportional")
+    assert picked[0].tolist() == list(range(25)) and picked[1].tolist() == list(range(5))
+
+
+def test_global_needs_comparable_scores():
+    with pytest.raises(ValueError, match="compare across chunks"):
+        allocate(positions([10, 10]), 0.5, "global")
+    with pytest.raises(ValueError, match="unknown allocation"):
+        allocate(positions([10]), 0.5, "sideways")
+
+
+def test_global_takes_the_top_of_the_whole_context():
+    scores = [torch.tensor([0.1, 0.9, 0.2]), torch.tensor([0.8, 0.05, 0.7])]
+    picked = allocate(scores, 0.5, "global", comparable=True)
+    assert [s.tolist() for s in picked] == [[1], [0, 2]]
+
+
+def test_spread_keeps_the_signal_inside_each_chunk_in_proportion_to_its_length():
+    scores = [torch.zeros(40), torch.zeros(40)]
+    scores[1][30] = 5.0
+    scores[1][31] = 4.0
+    picked = allocate(scores, 0.25, "spread", comparable=True, start_share=0.5)
+    # budget 20: 10 on starts (5 each), the other 10 split 5 / 5 whatever the signal prefers
+    assert [s.numel() for s in picked] == [10, 10]
+    assert {30, 31} <= set(picked[1].tolist()) and picked[1].tolist()[:5] == [0, 1, 2, 3, 4]
