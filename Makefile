@@ -36,7 +36,7 @@ qwen: install
 
 bench: install
 	$(VENV)/bin/cachetune bench --data ../shared/data/musique/musique_s.json --limit 8 --threads 2 \
-		--repeats 1 --json results/bench_smollm2_fp32.json
+		$(ISSUE4_SELECTION) --repeats 1 --json results/bench_smollm2_fp32.json
 
 # Issue 11: the step loop with 1, 4, 8 and 16 concurrent requests on short (2WikiMQA, 2 documents,
 # about 1.4K tokens) and long (MuSiQue, 10 documents, about 6.2K tokens) prompts.
@@ -79,13 +79,13 @@ bench-qwen: qwen
 # Every method on MuSiQue and Multi-News (quality, fidelity, TTFT; JSON, tables, PNGs in results/smollm2).
 # Interrupted runs resume from results/*/*.progress.jsonl; add --fresh to start over.
 eval: install
-	$(VENV)/bin/cachetune eval --threads 2 --data musique --limit 8 --methods all \
+	$(VENV)/bin/cachetune eval --threads 2 --data musique --limit 8 --methods all $(ISSUE4_SELECTION) \
 		--json results/smollm2/eval_musique.json --plots results/smollm2
-	$(VENV)/bin/cachetune eval --threads 2 --data multi_news --limit 4 --methods all \
+	$(VENV)/bin/cachetune eval --threads 2 --data multi_news --limit 4 --methods all $(ISSUE4_SELECTION) \
 		--json results/smollm2/eval_multi_news.json --plots results/smollm2/multi_news
 
-# cachetune as issues 3 and 4 measured it: each chunk's top r by its offline ranking alone (the
-# default since issue 16 adds the question signal).
+# cachetune as issues 3-15 measured it: each chunk's top r by its offline ranking alone (the
+# default since issue 16 adds the question signal); the targets whose committed results predate it.
 ISSUE4_SELECTION := --allocation proportional --signal none
 QWEN_METHODS := full_recompute,full_reuse,cachetune,cacheblend,epic,prophetkv,cacheslide,ape,random,cachetune:first
 eval-qwen: qwen
@@ -198,9 +198,9 @@ block-attention: install
 # (with shuffled documents), MuSiQue and 2WikiMQA. Resumable (results/smollm2/c2kv/*.progress.jsonl).
 C2KV_OUT := results/smollm2/c2kv
 eval-c2kv: install
-	$(VENV)/bin/cachetune c2kv eval --threads 2 --data heldout --limit 12 --composition \
+	$(VENV)/bin/cachetune c2kv eval --threads 2 --data heldout --limit 12 --composition $(ISSUE4_SELECTION) \
 		--json $(C2KV_OUT)/eval_heldout.json --plots $(C2KV_OUT)/heldout
-	for d in musique 2wikimqa; do $(VENV)/bin/cachetune c2kv eval --threads 2 --data $$d --limit 4 \
+	for d in musique 2wikimqa; do $(VENV)/bin/cachetune c2kv eval --threads 2 --data $$d --limit 4 $(ISSUE4_SELECTION) \
 		--json $(C2KV_OUT)/eval_$$d.json --plots $(C2KV_OUT)/$$d || exit 1; done
 
 clean:

@@ -190,12 +190,13 @@ def _report_out(report: dict, table: str, json_path: str | None) -> None:
 def cmd_eval(args) -> int:
     from cachetune.eval.datasets import bundled_sample_path
     from cachetune.eval.harness import EvalConfig, config_dict, run_eval
-    from cachetune.eval.report import format_tables, plot_frontier, plot_ratio_curves, plot_tradeoff, summarize_records
+    from cachetune.eval.report import (format_tables, plot_frontier, plot_ratio_curves, plot_tradeoff,
+                                       summarize_records, sweep_records)
 
     datasets = _datasets(args, str(bundled_sample_path()))
     cfg = EvalConfig(methods=_methods(args.methods), ratio=EngineConfig.ratio if args.ratio is None else args.ratio,
-                     ratios=_floats(args.ratios), max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                     system=args.system)
+                     ratios=_floats(args.ratios), sweep_examples=args.sweep_examples,
+                     max_new_tokens=args.max_new_tokens, repeats=args.repeats, system=args.system)
     engine = _engine(args)
     cfg = replace(cfg, ratio=engine.config.ratio)  # --ratio, else the --config file's, else the default
     skipped = {}
@@ -210,14 +211,18 @@ def cmd_eval(args) -> int:
         if args.fresh and progress_path.exists():
             progress_path.unlink()
     records = run_eval(engine, datasets, cfg, progress_path)
+    labels = [v.label for v in cfg.variants()]
     report = {"model": engine.name, "dtype": engine.config.dtype, "device": str(engine.adapter.device),
               "threads": torch.get_num_threads(),
-              "config": config_dict(cfg), "datasets": summarize_records(records, [v.label for v in cfg.variants()]),
+              "config": config_dict(cfg), "datasets": summarize_records(records, labels),
               "skipped": skipped, "examples": records}
+    if cfg.ratios:  # the sweep on the examples that ran all of it (every one, without --sweep-examples)
+        report["frontier"] = summarize_records(sweep_records(records, labels), labels)
     _report_out(report, format_tables(report), args.json)
     if args.plots:
-        frontier = plot_frontier(report, args.plots, mark=_default_variant(engine, cfg)) if cfg.ratios else []
-        for path in [*plot_tradeoff(report, args.plots), plot_ratio_curves(report, args.plots), *frontier]:
+        sweep = {**report, "datasets": report.get("frontier", report["datasets"])}
+        frontier = plot_frontier(sweep, args.plots, mark=_default_variant(engine, cfg)) if cfg.ratios else []
+        for path in [*plot_tradeoff(report, args.plots), plot_ratio_curves(sweep, args.plots), *frontier]:
             if path is not None:
                 print(f"wrote {path}", file=sys.stderr)
     return 0
@@ -242,6 +247,8 @@ def _eval_args(p: argparse.ArgumentParser, methods: str, repeats: int) -> None:
     p.add_argument("--methods", default=methods, help="comma-separated, or 'all'")
     p.add_argument("--ratio", type=float, help=f"recompute budget of every method with one [{EngineConfig.ratio}]")
     p.add_argument("--ratios", help="comma-separated budgets: methods that use one run once per r, as name@r")
+    p.add_argument("--sweep-examples", type=int, metavar="N",
+                   help="with --ratios: the ratios other than --ratio only on each set's first N examples")
     p.add_argument("--limit", type=int, help="first N examples of each dataset")
     p.add_argument("--max-new-tokens", type=int, help="default: 32 for QA, 128 for summarization")
     p.add_argument("--repeats", type=int, default=repeats, help="extra timing passes per example")

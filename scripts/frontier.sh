@@ -2,6 +2,8 @@
 # Issue 16: KL and F1 against TTFT across r for every method, per model and set (resumable).
 # Examples are added in passes (10, 25, 50, 100 per set), so an interrupted run has every set
 # covered to the same depth; each pass resumes from the progress files and rewrites the reports.
+# The whole sweep of ratios runs on each set's first SWEEP examples; past them, only r = 0.15 (the
+# bars' ratio) and the methods without a budget, so the r = 0.15 comparison gets every example.
 #   scripts/frontier.sh smollm2            SmolLM2-135M float32, 100 examples per set
 #   scripts/frontier.sh qwen               Qwen2.5-Coder-1.5B float32, 50 examples per set
 set -euo pipefail
@@ -10,23 +12,23 @@ CT=${CT:-.venv/bin/cachetune}
 RATIOS=0.05,0.1,0.15,0.2,0.3
 SETS=${SETS:-hotpotqa_heldout musique 2wikimqa}
 # Every cachetune variant is named in full, so a later change of the defaults does not change what
-# a resumed run measures: issue 4's default (each chunk's first r), issue 16's default (chunk starts
-# then the question's picks inside each chunk, 4 layers) and a deeper question signal (15 layers).
+# a resumed run measures: issue 4's default (each chunk's first r) and issue 16's (chunk starts, then
+# up to 4 tokens per chunk where the question attends in the first 4 layers). The first pass's
+# uncapped and deeper question variants stay in the progress files but are no longer extended.
 FIRST=cachetune:first:allocation=proportional:signal=none
-DEFAULT=cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=4
-DEEP=cachetune:first:allocation=spread:start_share=0.5:signal=question:signal_layers=15
+DEFAULT=cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=4:signal_tokens=4
 METHODS=full_reuse,epic,cacheblend,prophetkv,$FIRST,$DEFAULT
 case "${1:-smollm2}" in
-  # SmolLM2 also has the deeper signal and the trained methods (their weights ship for it).
-  smollm2) MODEL=(); OUT=results/smollm2/frontier; PASSES=${PASSES:-10 25 50 100}
-           METHODS=$METHODS,$DEEP,c2kv,kvlink,block_attention ;;
+  # SmolLM2 also has the trained methods (their weights ship for it).
+  smollm2) MODEL=(); OUT=results/smollm2/frontier; PASSES=${PASSES:-10 25 50 100}; SWEEP=${SWEEP:-25}
+           METHODS=$METHODS,c2kv,kvlink,block_attention ;;
   # Qwen: about 10x the compute per token; the methods the bars name.
-  qwen)    MODEL=(--model qwen2.5-coder-1.5b); OUT=results/qwen/frontier; PASSES=${PASSES:-10 25 50} ;;
+  qwen)    MODEL=(--model qwen2.5-coder-1.5b); OUT=results/qwen/frontier; PASSES=${PASSES:-10 25 50}; SWEEP=${SWEEP:-10} ;;
   *) echo "usage: $0 smollm2|qwen" >&2; exit 2 ;;
 esac
 for limit in $PASSES; do
   for set in $SETS; do
     "$CT" eval "${MODEL[@]}" --threads 2 --data "$set" --limit "$limit" --methods "$METHODS" \
-      --ratios "$RATIOS" --json "$OUT/eval_$set.json" --plots "$OUT/$set"
+      --ratios "$RATIOS" --sweep-examples "$SWEEP" --json "$OUT/eval_$set.json" --plots "$OUT/$set"
   done
 done

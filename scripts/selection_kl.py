@@ -4,7 +4,7 @@ Every variant is teacher-forced on full recompute's greedy answer (no answer of 
 so many variants fit in one run) and its time to first token measured once per example, in the same
 run as every other variant. Resumable: rows already in the output file are skipped.
 
-    python scripts/selection_kl.py --data hotpotqa_heldout --limit 12 --variants FILE --out OUT.jsonl
+    python scripts/selection_kl.py --data hotpotqa_heldout --limit 12 [--skip N] --variants FILE --out OUT.jsonl
     python scripts/selection_kl.py --summary OUT.jsonl [...]
 
 FILE holds one method spec per line ("cachetune:first:allocation=starts:signal=question", ...);
@@ -43,7 +43,8 @@ def run(args) -> None:
     warm = False
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as f:
-        for ex in tqdm(load_dataset(args.data, args.limit), desc=args.data, unit="example"):
+        examples = load_dataset(args.data, args.limit)[args.skip:]
+        for ex in tqdm(examples, desc=args.data, unit="example"):
             todo = [v for v in variants if (ex.id, v.label) not in done]
             if not todo:
                 continue
@@ -93,6 +94,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--data")
     p.add_argument("--limit", type=int)
+    p.add_argument("--skip", type=int, default=0, help="leave out the first SKIP of the --limit examples")
     p.add_argument("--ratio", type=float, default=EngineConfig.ratio)
     p.add_argument("--variants")
     p.add_argument("--out")

@@ -107,3 +107,20 @@ def test_spread_keeps_the_signal_inside_each_chunk_in_proportion_to_its_length()
     # budget 20: 10 on starts (5 each), the other 10 split 5 / 5 whatever the signal prefers
     assert [s.numel() for s in picked] == [10, 10]
     assert {30, 31} <= set(picked[1].tolist()) and picked[1].tolist()[:5] == [0, 1, 2, 3, 4]
+
+
+def test_signal_tokens_cap_the_signal_picks_per_chunk_and_the_rest_continues_the_starts():
+    scores = [torch.zeros(40), torch.zeros(40)]
+    scores[0][20:23] = torch.tensor([3.0, 2.0, 1.0])
+    scores[1][30:33] = torch.tensor([3.0, 2.0, 1.0])
+    # budget 20: 10 on starts (5 each), 5 more per chunk, of which at most 2 by the signal
+    picked = allocate(scores, 0.25, "spread", comparable=True, start_share=0.5, signal_tokens=2)
+    assert picked[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 20, 21]
+    assert picked[1].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 30, 31]
+    uncapped = allocate(scores, 0.25, "spread", comparable=True, start_share=0.5, signal_tokens=100)
+    assert [s.tolist() for s in uncapped] == [s.tolist() for s in allocate(scores, 0.25, "spread", comparable=True,
+                                                                            start_share=0.5)]
+    assert [s.tolist() for s in allocate(scores, 0.25, "spread", comparable=True, start_share=0.5, signal_tokens=0)] \
+        == [list(range(10))] * 2  # no signal picks: each chunk's first tokens, `first` at the same budget
+    with pytest.raises(ValueError, match="signal_tokens"):
+        allocate(scores, 0.25, "spread", comparable=True, signal_tokens=-1)

@@ -115,6 +115,26 @@ def test_eval_runs_ratio_methods_once_per_ratio(qa_file, tmp_path):
     assert (tmp_path / "fidelity_vs_ratio.png").stat().st_size > 0
 
 
+def test_eval_sweeps_other_ratios_only_on_the_first_examples(tmp_path):
+    rows = [{"ctxs": [{"title": "", "text": d} for d in DOCS], "question": q, "answers": [a]}
+            for q, a in [("In which country is Mount Kilimanjaro?", "Tanzania"), ("What is Paris?", "a city")]]
+    data = tmp_path / "qa2.json"
+    data.write_text(json.dumps(rows))
+    out = tmp_path / "eval.json"
+    code = main(["eval", "--data", str(data), "--methods", "full_reuse,cachetune:first", "--ratios", "0.1,0.15",
+                 "--sweep-examples", "1", "--max-new-tokens", "2", "--json", str(out), "--plots", str(tmp_path)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    first, second = (set(r["methods"]) for r in report["examples"])
+    assert "cachetune:first@0.1" in first and "cachetune:first@0.1" not in second
+    assert {"full_recompute", "full_reuse", "cachetune:first@0.15"} <= second
+    counts = {m: r["n_examples"] for m, r in _rows(report).items()}
+    assert counts["cachetune:first@0.15"] == 2 and counts["cachetune:first@0.1"] == 1
+    (sweep,) = report["frontier"].values()  # the frontier compares variants on the same examples
+    assert sweep["n_examples"] == 1
+    assert "n_examples" in out.with_suffix(".md").read_text()
+
+
 def test_drift_reports_recall_per_ratio_and_offline_cost(qa_file, tmp_path):
     code = main(["analyze", "drift", "--data", str(qa_file), "--rankers", "lf,first,probe,first+probe",
                  "--ratios", "0.3", "--out", str(tmp_path)])

@@ -9,7 +9,8 @@ import torch
 
 from cachetune.eval.datasets import QAExample
 from cachetune.eval.harness import EvalConfig, ProgressLog, Setting, Variant, _Request, run_example
-from cachetune.eval.report import best_within, format_tables, pareto_frontier, plot_frontier, summarize_records
+from cachetune.eval.report import (best_within, format_tables, pareto_frontier, plot_frontier, summarize_records,
+                                   sweep_records)
 
 
 def test_config_puts_full_recompute_first_once_and_rejects_unknown_methods():
@@ -176,20 +177,45 @@ def test_frontier_plots_and_table_for_a_ratio_sweep(tmp_path):
     labels = ["full_recompute", "fast", "fast@0.1", "fast@0.3"]
     report = {"model": "m", "dtype": "float32", "threads": 2, "config": {"ratio": 0.15},
               "datasets": summarize_records(records, labels)}
-    assert "KL Pareto frontier, fastest first" in format_tables(report)
+    assert "KL Pareto frontier over the 2 examples every variant ran on, fastest first" in format_tables(report)
     (png,) = plot_frontier(report, tmp_path, mark="fast@0.3")
     assert png.name == "frontier_d.png" and png.stat().st_size > 0
+
+
+def test_rows_cover_the_examples_that_have_their_method():
+    records = [_record("d", i, [1000.0], [10.0]) for i in range(3)]
+    records[0]["methods"]["fast@0.3"] = {**records[0]["methods"]["fast"], "kl": 0.1, "score": 1.0}
+    rows = {r["method"]: r for r in summarize_records(records, ["full_recompute", "fast", "fast@0.3"])["d"]["results"]}
+    assert rows["fast"]["n_examples"] == 3 and rows["fast@0.3"]["n_examples"] == 1
+    assert rows["fast@0.3"]["kl_to_full"] == 0.1 and rows["fast@0.3"]["quality_vs_full"] == 1.0
+    assert sweep_records(records, ["fast", "fast@0.3"]) == records[:1]
+    report = {"model": "m", "dtype": "float32", "threads": 2, "config": {"ratio": 0.15},
+              "datasets": summarize_records(records, ["full_recompute", "fast", "fast@0.3"])}
+    assert "| n_examples |" in format_tables(report)
+
+
+def test_sweep_examples_keep_only_the_main_ratio_past_the_first_examples():
+    cfg = EvalConfig(methods=["full_reuse", "cachetune"], ratio=0.15, ratios=(0.1, 0.15), sweep_examples=2)
+    variants = cfg.variants()
+    assert cfg.variants_for(1, variants) == variants
+    assert [v.label for v in cfg.variants_for(2, variants)] == ["full_recompute", "full_reuse", "cachetune@0.15"]
+    with pytest.raises(ValueError, match="among the ratios"):
+        EvalConfig(methods=["cachetune"], ratio=0.2, ratios=(0.1, 0.15), sweep_examples=2)
+    with pytest.raises(ValueError, match="sweep_examples"):
+        EvalConfig(methods=["cachetune"], ratios=(0.15,), sweep_examples=-1)
 
 
 def test_run_key_names_the_selection_only_where_a_method_reads_it_from_the_config():
     from conftest import tiny_engine
 
-    engine = tiny_engine(allocation="spread", signal="question", self_check=False)
+    engine = tiny_engine(allocation="proportional", signal="none", self_check=False)  # not the defaults
     plain = EvalConfig(methods=["cachetune", "epic"]).run_key(engine)
-    assert (plain["allocation"], plain["signal"]) == ("spread", "question")
+    assert (plain["allocation"], plain["signal"]) == ("proportional", "none")
     named = EvalConfig(methods=["cachetune:first:allocation=spread:signal=question", "epic"]).run_key(engine)
     assert "allocation" not in named and "signal" not in named
+    # under the defaults a run's key is what it was before the selection settings existed
+    other = tiny_engine(self_check=False)
+    assert "allocation" not in EvalConfig(methods=["cachetune"]).run_key(other)
     # explicit names measure the same whatever the defaults: a run resumes under other defaults
-    other = tiny_engine(allocation="proportional", signal="none", self_check=False)
     assert EvalConfig(methods=["cachetune:first:allocation=spread:signal=question"]).run_key(other) == \
         EvalConfig(methods=["cachetune:first:allocation=spread:signal=question"]).run_key(engine)

@@ -18,7 +18,7 @@ from cachetune.methods.prefix_cache import PrefixCache
 from cachetune.methods import SelectionRequest, SelectiveMethod, make_method, method_names, split_global_top
 from cachetune.methods.allocation import allocate, proportional_quotas
 from cachetune.methods.cacheslide import CacheSlideSelector
-from cachetune.methods.signals import question_attention, value_deviation
+from cachetune.methods.signals import position_weighted, question_attention, value_deviation
 from conftest import assert_close, build_layout, hf_forward, none_selected, rand_ids
 
 TOL = 1e-4
@@ -106,7 +106,9 @@ def test_budgeted_selectors_spend_round_ratio_of_chunk_tokens(llama):
 SELECTION_VARIANTS = ["cachetune:first:allocation=equal", "cachetune:first:allocation=starts",
                       "cachetune:first:allocation=starts:signal=question",
                       "cachetune:first:allocation=global:signal=question:signal_layers=1",
-                      "cachetune:first:allocation=starts:signal=deviation"]
+                      "cachetune:first:allocation=starts:signal=deviation",
+                      "cachetune:first:allocation=spread:signal=question:decay=1",
+                      "cachetune:first:allocation=spread:signal=question:signal_tokens=2"]
 
 
 @pytest.mark.parametrize("name", SELECTION_VARIANTS)
@@ -135,6 +137,30 @@ def test_starts_allocation_recomputes_every_chunk_start(llama):
         sel = _select(f"cachetune:first:allocation=starts:start_share=0.5:signal={signal}", adapter, layout, 0.3)
         for s in sel:
             assert s[:5].tolist() == [0, 1, 2, 3, 4], signal
+
+
+def test_decay_weighs_the_signal_down_with_the_position_in_its_chunk(llama):
+    flat = torch.ones(4)
+    assert position_weighted(flat, 0.0) is flat
+    assert torch.allclose(position_weighted(flat, 1.0), torch.tensor([1.0, 1 / 2, 1 / 3, 1 / 4]))
+    _, adapter = llama
+    layout, _ = build_layout(adapter, _parts(chunks=(40, 10, 50)))
+    # The question's picks are those of its attention weighed by position, the starts unchanged.
+    scores, _ = question_attention(adapter, layout, 2)
+    weighted = [position_weighted(s, 1.5) for s in scores]
+    first = [torch.arange(s.numel(), 0, -1, dtype=torch.float32) for s in scores]
+    expected = allocate(weighted, 0.3, "spread", True, 0.5, ranked=first)
+    got = _select("cachetune:first:allocation=spread:start_share=0.5:signal=question:signal_layers=2:decay=1.5"
+                  ":signal_tokens=none", adapter, layout, 0.3)
+    assert [g.tolist() for g in got] == [e.tolist() for e in expected]
+    plain = _select("cachetune:first:allocation=spread:start_share=0.5:signal=question:signal_layers=2"
+                    ":signal_tokens=none", adapter, layout, 0.3)
+    assert [g.tolist() for g in got] != [p.tolist() for p in plain]
+    with pytest.raises(ValueError, match="decay"):
+        make_method("cachetune:first:signal=question:decay=-1")
+    with pytest.raises(ValueError, match="signal_tokens"):
+        make_method("cachetune:first:allocation=spread:signal=question:signal_tokens=-1")
+    assert make_method("cachetune:first:signal=question:signal_tokens=none").settings.signal_tokens is None
 
 
 def test_deviation_signal_on_candidates_equals_cacheblend_layer_one_deviation(llama):

@@ -166,8 +166,9 @@ def test_cachetune_method_reads_the_default_or_the_named_ranking(llama):
     layout = _layout(adapter)
     request = SelectionRequest(layout, adapter, _Source(adapter, "probe", ctx))
     chunks = request.chunks
-    default = make_method("cachetune", EngineConfig(ranking="probe")).selector.select(request, 0.2)
-    named = make_method("cachetune:first").selector.select(request, 0.2)
+    offline = EngineConfig(ranking="probe", allocation="proportional", signal="none")  # the ranking alone
+    default = make_method("cachetune", offline).selector.select(request, 0.2)
+    named = make_method("cachetune:first", offline).selector.select(request, 0.2)
     probe_expected = [top_share(ranking_from_scores(request.rankings.scores(c, "probe")), 0.2) for c in chunks]
     assert all(torch.equal(a, b) for a, b in zip(default, probe_expected))
     assert all(torch.equal(a, torch.arange(round(0.2 * c.num_tokens))) for a, c in zip(named, chunks))
@@ -178,7 +179,7 @@ def test_a_globally_budgeted_ranking_selects_top_r_over_all_chunks(llama):
     _, adapter = llama
     layout = _layout(adapter)
     request = SelectionRequest(layout, adapter, _Source(adapter, "lf_v0", _context(adapter)))
-    got = make_method("cachetune:lf_v0").selector.select(request, 0.2)
+    got = make_method("cachetune:lf_v0:allocation=proportional:signal=none").selector.select(request, 0.2)
     scores = [request.rankings.scores(c, "lf_v0") for c in request.chunks]
     expected = split_global_top(scores, 0.2)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))

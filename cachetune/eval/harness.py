@@ -47,6 +47,7 @@ class EvalConfig:
     methods: list[str] = field(default_factory=method_names)
     ratio: float = EngineConfig.ratio
     ratios: tuple[float, ...] = ()      # several budgets: each ratio-using method once per r, "name@r"
+    sweep_examples: int | None = None   # with ratios: the ratios other than `ratio` on each set's first N only
     max_new_tokens: int | None = None  # None: per task (TASK_MAX_NEW_TOKENS)
     repeats: int = 0                    # extra timing-only passes per example, method order rotated
     warmup: bool = True                 # one untimed request per method before the first measurement
@@ -61,6 +62,12 @@ class EvalConfig:
             if not 0.0 <= r <= 1.0:
                 raise ValueError(f"ratio must be in [0, 1], got {r}")
         self.ratios = tuple(self.ratios)
+        if self.sweep_examples is not None:
+            if self.sweep_examples < 0:
+                raise ValueError(f"sweep_examples must be >= 0, got {self.sweep_examples}")
+            if self.ratio not in self.ratios:
+                raise ValueError(f"sweep_examples needs the ratio {self.ratio:g} among the ratios {self.ratios}: "
+                                 "it is the one every example runs")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         # Every fidelity metric and every speedup is relative to full recompute, which runs first.
@@ -77,16 +84,23 @@ class EvalConfig:
                 out.append(Variant(m, m, self.ratio))
         return out
 
+    def variants_for(self, index: int, variants: list["Variant"]) -> list["Variant"]:
+        """What the `index`-th example of a set runs: past `sweep_examples`, only `ratio` of a sweep."""
+        if self.sweep_examples is None or index < self.sweep_examples:
+            return variants
+        return [v for v in variants if not uses_ratio(v.method) or v.ratio == self.ratio]
+
     def run_key(self, engine: Engine) -> dict:
         """What must match for records of two runs to be merged (resume)."""
         key = {"model": engine.name, "dtype": engine.config.dtype, "ratio": self.ratio,
                "max_new_tokens": self.max_new_tokens, "system": self.system}
         if engine.config.ranking != "lf":  # plain "cachetune" means the configured ranking
             key["ranking"] = engine.config.ranking
-        # ... and its selection, when a method reads them from the config (a name may set them)
+        # ... and its selection, when a method reads it from the config (a name may set it) and it is
+        # not the default. Files written before issue 16 changed the defaults name the old ones.
         reads = set().union(*(config_settings(m) for m in self.methods))
-        for name, before in (("allocation", "proportional"), ("signal", "none")):
-            if name in reads and getattr(engine.config, name) != before:
+        for name in ("allocation", "signal"):
+            if name in reads and getattr(engine.config, name) != getattr(EngineConfig, name):
                 key[name] = getattr(engine.config, name)
         if engine.adapter.device.type != "cpu":  # GPU timings must not merge with CPU ones
             key["device"] = engine.adapter.device.type
@@ -349,11 +363,11 @@ def run_eval(engine: Engine, datasets: dict[str, list[QAExample]], cfg: EvalConf
         label = name if setting.name == "default" else f"{name}/{setting.name}"
         bar.set_postfix_str(f"{label} {ex.id}")
         old = log.done(label, ex.id) if log else None
-        todo_variants = variants
+        todo_variants = cfg.variants_for(i, variants)
         if old is not None:
             # Resume: run only the variants the record lacks, against a fresh reference (full
             # recompute is deterministic, so its answer and logits are the ones the record used).
-            todo_variants = [v for v in variants if v.label not in old["methods"]]
+            todo_variants = [v for v in todo_variants if v.label not in old["methods"]]
             if not todo_variants:
                 records.append(old)
                 continue

@@ -25,7 +25,9 @@ def summarize_records(records: list[dict], methods: list[str]) -> dict[str, dict
     examples of the mean next-token KL(full || method) along full recompute's answer; top1_agree: over
     all those positions; ttft: median and p95 over every timed request; speedup_vs_full: median TTFT of
     full recompute / median TTFT of the method, both from the same run (for a variant added to resumed
-    examples, the full recompute timed in the pass that added it: `full_ttft_ms`).
+    examples, the full recompute timed in the pass that added it: `full_ttft_ms`). Each row is over
+    the examples that have its method (`n_examples`; a sweep's other ratios may cover fewer); a
+    method no example has is left out.
     """
     by_dataset: dict[str, list[dict]] = {}
     for rec in records:
@@ -33,23 +35,25 @@ def summarize_records(records: list[dict], methods: list[str]) -> dict[str, dict
     out = {}
     for name, recs in by_dataset.items():
         task = recs[0]["task"]
-        full_scores = [r["methods"][FULL_RECOMPUTE]["score"] for r in recs]
-        full_quality = statistics.fmean(full_scores)
         rows = []
         for method in methods:
-            if not all(method in r["methods"] for r in recs):
+            have = [r for r in recs if method in r["methods"]]
+            if not have:
                 continue
-            per = [r["methods"][method] for r in recs]
-            ttft = summarize(_pooled(recs, method, "ttft_ms"))
+            per = [r["methods"][method] for r in have]
+            full_scores = [r["methods"][FULL_RECOMPUTE]["score"] for r in have]
+            full_quality = statistics.fmean(full_scores)
+            ttft = summarize(_pooled(have, method, "ttft_ms"))
             # A variant added to a resumed example carries the full recompute timed with it.
             full_median = statistics.median(
-                x for r in recs
+                x for r in have
                 for x in r["methods"][method].get("full_ttft_ms", r["methods"][FULL_RECOMPUTE]["ttft_ms"])
             )
             quality = statistics.fmean(p["score"] for p in per)
             paired = paired_ratio([p["score"] for p in per], full_scores)
             rows.append({
                 "method": method,
+                "n_examples": len(have),
                 "quality": quality,
                 "quality_vs_full": quality / full_quality if full_quality else float("nan"),
                 "quality_vs_full_ci": [paired["ci_low"], paired["ci_high"]],
@@ -58,13 +62,13 @@ def summarize_records(records: list[dict], methods: list[str]) -> dict[str, dict
                 "kl_to_full": statistics.fmean(p["kl"] for p in per),
                 "kl_to_full_ci": list(bootstrap_mean([p["kl"] for p in per])),
                 "quality_ci": list(bootstrap_mean([p["score"] for p in per])),
-                "top1_agree": statistics.fmean(_pooled(recs, method, "top1")),
+                "top1_agree": statistics.fmean(_pooled(have, method, "top1")),
                 "answer_match_full": statistics.fmean(p["match"] for p in per),
                 "ttft_ms_median": ttft["median"],
                 "ttft_ms_p95": ttft["p95"],
                 "speedup_vs_full": full_median / ttft["median"],
                 "recomputed_share": statistics.fmean(p["recomputed_share"] for p in per),
-                **_optional(recs, method),
+                **_optional(have, method),
             })
         out[name] = {
             "task": task,
@@ -74,6 +78,11 @@ def summarize_records(records: list[dict], methods: list[str]) -> dict[str, dict
             "results": rows,
         }
     return out
+
+
+def sweep_records(records: list[dict], labels: list[str]) -> list[dict]:
+    """The records that ran every one of `labels`: where a frontier compares variants on the same examples."""
+    return [r for r in records if all(label in r["methods"] for label in labels)]
 
 
 def _optional(recs: list[dict], method: str) -> dict:
@@ -103,12 +112,14 @@ def format_tables(report: dict) -> str:
     parts = [head]
     for name, ds in report["datasets"].items():
         columns = COLUMNS + [c for c in OPTIONAL_COLUMNS if ds["results"] and all(c in r for r in ds["results"])]
+        if any(r.get("n_examples", ds["n_examples"]) != ds["n_examples"] for r in ds["results"]):
+            columns = columns + ["n_examples"]  # a sweep's other ratios ran on fewer examples
         parts += ["", f"### {name}: {ds['n_examples']} examples, ~{ds['mean_prompt_tokens']:.0f} prompt tokens, "
                       f"quality = {ds['metric']}", "",
                   "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         for row in ds["results"]:
             parts.append("| " + " | ".join(_cell(row[c]) for c in columns) + " |")
-        parts += ["", f"95% bootstrap intervals over the {ds['n_examples']} examples; quality paired with full "
+        parts += ["", f"95% bootstrap intervals over each row's examples; quality paired with full "
                       f"recompute ({ds['metric']}):", "",
                   "| method | kl_to_full | interval | quality | interval | quality_vs_full | interval | "
                   "examples better / worse |", "|---|---|---|---|---|---|---|---|"]
@@ -118,11 +129,14 @@ def format_tables(report: dict) -> str:
                              f"{_cell(row['quality'])} | {_span(row.get('quality_ci'))} | "
                              f"{_cell(row['quality_vs_full'])} | {_span(row['quality_vs_full_ci'], 2)} | "
                              f"{row['examples_better']} / {row['examples_worse']} |")
-        points = {r["method"]: (r["ttft_ms_median"], r["kl_to_full"]) for r in ds["results"]
+        # The frontier compares every variant on the same examples (report["frontier"], when given).
+        sweep = report.get("frontier", {}).get(name, ds)
+        points = {r["method"]: (r["ttft_ms_median"], r["kl_to_full"]) for r in sweep["results"]
                   if r["method"] != FULL_RECOMPUTE}
         if any("@" in m for m in points):
             front = pareto_frontier(points)
-            parts += ["", "KL Pareto frontier, fastest first (median TTFT ms, KL): " + " -> ".join(
+            parts += ["", f"KL Pareto frontier over the {sweep['n_examples']} examples every variant ran on, "
+                          "fastest first (median TTFT ms, KL): " + " -> ".join(
                 f"{m} ({points[m][0]:.0f}, {points[m][1]:.3f})" for m in front)]
     return "\n".join(parts)
 

@@ -14,7 +14,8 @@ allocation. The allocation decides how many each chunk gets and which:
 - `spread`: `starts`, with the remainder always in proportion to what each chunk has left (picked
   within each chunk by the scores): the recomputed tokens stay spread over the prompt like the
   chunks are, so their attention costs what `first`'s does (an online signal's favourites sit late
-  in the prompt, and a late token attends over more keys);
+  in the prompt, and a late token attends over more keys). `signal_tokens` caps the scores' picks
+  per chunk; the rest of the chunk's share continues its starts;
 - `global`: the top `budget` tokens of the whole context by scores that compare across chunks
   (CacheBlend, ProphetKV).
 
@@ -30,6 +31,7 @@ import torch
 
 from cachetune.config import ALLOCATIONS
 START_SHARE = 0.75  # the `starts` allocation's share of the budget spent on chunk starts (issue 16)
+SIGNAL_TOKENS = 4   # `spread`: at most this many of a chunk's tokens picked by the signal (issue 16)
 
 
 def request_budget(lengths: list[int], ratio: float) -> int:
@@ -138,17 +140,21 @@ def start_count(budget: int, start_share: float) -> int:
 
 def allocate(scores: list[torch.Tensor], ratio: float, allocation: str = "proportional",
              comparable: bool = False, start_share: float = START_SHARE,
-             ranked: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+             ranked: list[torch.Tensor] | None = None, signal_tokens: int | None = None) -> list[torch.Tensor]:
     """The chunk tokens to recompute: one sorted int64 tensor of local indices per chunk, round(ratio *
     chunk tokens) in all (see the module doc for each allocation).
 
     scores: one [N_i] vector per chunk, higher first; `comparable`: whether they compare across
     chunks (required by `global`, and what `starts` uses for its remainder). ranked: the offline
     scores that pick the `starts` share (default: `scores` when they do not compare across chunks,
-    otherwise position)."""
+    otherwise position). signal_tokens: under `spread`, at most this many of a chunk's tokens go by
+    `scores` and the rest of its share continues its starts by `ranked` (None: no cap; the other
+    allocations have no per-chunk signal share to cap)."""
     if allocation not in ALLOCATIONS:
         raise ValueError(f"unknown allocation {allocation!r}; known: {', '.join(ALLOCATIONS)}")
     start_count(0, start_share)  # validates the share
+    if signal_tokens is not None and signal_tokens < 0:
+        raise ValueError(f"signal_tokens must be >= 0 (or None: no cap), got {signal_tokens}")
     lengths = [s.numel() for s in scores]
     budget = request_budget(lengths, ratio)
     if allocation == "proportional":
@@ -166,4 +172,8 @@ def allocate(scores: list[torch.Tensor], ratio: float, allocation: str = "propor
     if comparable and allocation == "starts":
         return global_top(scores, left, taken=first)
     rest = proportional_quotas([n - t.numel() for n, t in zip(lengths, first)], left)
+    if signal_tokens is not None and allocation == "spread":
+        more = [max(0, q - signal_tokens) for q in rest]
+        first = _fill(ranked, more, taken=first)
+        rest = [q - m for q, m in zip(rest, more)]
     return _fill(scores, rest, taken=first)

@@ -232,6 +232,8 @@ def _parse_setting(settings: type, key: str, text: str):
     if key not in types:
         raise ValueError(f"no setting {key!r} (settings: {sorted(types) or 'none'})")
     kind = types[key]
+    if "None" in kind and text == "none":  # an optional setting switched off ("signal_tokens=none")
+        return None
     try:
         if "bool" in kind:
             if text not in ("true", "false"):

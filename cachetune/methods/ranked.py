@@ -9,11 +9,12 @@ import torch
 
 from cachetune.chunks.rankers import get_ranker
 from cachetune.config import SIGNALS, EngineConfig
-from cachetune.methods.allocation import ALLOCATIONS, START_SHARE, allocate, request_budget, start_count, starts
+from cachetune.methods.allocation import (ALLOCATIONS, SIGNAL_TOKENS, START_SHARE, allocate, request_budget,
+                                         start_count, starts)
 from cachetune.methods.base import Method, NoSettings, RatioSettings, check_int, check_ratio, register
 from cachetune.methods.prefill import Prefilled
 from cachetune.methods.selector import SelectionRequest, SelectiveMethod, TokenSelector
-from cachetune.methods.signals import SIGNAL_LAYERS, question_attention, value_deviation
+from cachetune.methods.signals import SIGNAL_LAYERS, position_weighted, question_attention, value_deviation
 
 
 class RankedSelector(TokenSelector):
@@ -27,18 +28,22 @@ class RankedSelector(TokenSelector):
     `start_share` of the budget to every chunk's top-ranked tokens (its first tokens by the default
     `first` ranking), and the signal picks the rest over the whole context: "question", the
     question's attention over the reused context in the first `signal_layers` layers; "deviation",
-    CacheBlend's layer-1 value deviation of the tokens the starts leave (methods.signals). `ranker`
-    None: the engine's default.
+    CacheBlend's layer-1 value deviation of the tokens the starts leave (methods.signals). Under
+    `spread` the signal picks at most `signal_tokens` per chunk (None: no cap) and the rest of the
+    chunk's share continues its starts; `decay` weighs the question's scores down with the in-chunk
+    position. `ranker` None: the engine's default.
     """
 
     reads_ranking = True
 
     def __init__(self, name: str = "cachetune", ranker: str | None = None, drops_unselected: bool = False,
                  allocation: str = "proportional", start_share: float = START_SHARE, signal: str | None = None,
-                 signal_layers: int = SIGNAL_LAYERS):
+                 signal_layers: int = SIGNAL_LAYERS, decay: float = 0.0,
+                 signal_tokens: int | None = SIGNAL_TOKENS):
         self.name, self.ranker, self.drops_unselected = name, ranker, drops_unselected
         self.allocation, self.start_share = allocation, start_share
-        self.signal, self.signal_layers = signal, signal_layers
+        self.signal, self.signal_layers, self.decay = signal, signal_layers, decay
+        self.signal_tokens = signal_tokens
 
     def select(self, request: SelectionRequest, ratio: float) -> list[torch.Tensor]:
         return self.choose(request, ratio)[0]
@@ -53,6 +58,7 @@ class RankedSelector(TokenSelector):
         if self.signal == "question":  # the pass's first layers are kept: the prefill does not load them again
             scores, prefilled = question_attention(request.adapter, request.layout, self.signal_layers,
                                                    request.pipeline, request.capacity)
+            scores = [position_weighted(s, self.decay) for s in scores]
         else:  # "deviation": every token the starts leave is a candidate
             share = self.start_share if self.allocation in ("starts", "spread") else 0.0
             budget = request_budget([s.numel() for s in offline], ratio)
@@ -63,7 +69,8 @@ class RankedSelector(TokenSelector):
                 free[t] = False
                 candidates.append(free.nonzero().flatten())
             scores = value_deviation(request.adapter, request.layout, candidates, pipeline=request.pipeline)
-        return allocate(scores, ratio, self.allocation, True, self.start_share, ranked=offline), prefilled
+        return allocate(scores, ratio, self.allocation, True, self.start_share, ranked=offline,
+                        signal_tokens=self.signal_tokens), prefilled
 
 
 class FirstTokensSelector(TokenSelector):
@@ -101,6 +108,8 @@ class RankedSettings:
     start_share: float = START_SHARE             # the `starts` allocation's share of the budget on chunk starts
     signal: str = EngineConfig.signal            # online signal that picks within the allocation (SIGNALS)
     signal_layers: int = SIGNAL_LAYERS           # layers the question signal reads
+    decay: float = 0.0                           # question scores x (in-chunk position + 1)^-decay
+    signal_tokens: int | None = SIGNAL_TOKENS    # spread: at most this many signal picks per chunk (None: no cap)
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
@@ -111,6 +120,10 @@ class RankedSettings:
             raise ValueError(f"unknown signal {self.signal!r}; known: {', '.join(SIGNALS)}")
         check_ratio(self.start_share, "start_share")
         check_int("signal_layers", self.signal_layers)
+        if isinstance(self.decay, bool) or not isinstance(self.decay, (int, float)) or not 0 <= self.decay <= 4:
+            raise ValueError(f"decay must be a number in [0, 4], got {self.decay!r}")
+        if self.signal_tokens is not None:
+            check_int("signal_tokens", self.signal_tokens, minimum=0)
         if self.allocation == "global" and self.signal == "none" and not get_ranker(self.ranking).global_budget:
             raise ValueError(f"the global allocation needs an online signal or a ranking that compares across "
                              f"chunks; {self.ranking!r} ranks each chunk alone")
@@ -131,7 +144,8 @@ def _cachetune(settings: RankedSettings) -> Method:
     signal = None if settings.signal == "none" else settings.signal
     return SelectiveMethod(RankedSelector("cachetune", settings.ranking, allocation=settings.allocation,
                                           start_share=settings.start_share, signal=signal,
-                                          signal_layers=settings.signal_layers), settings)
+                                          signal_layers=settings.signal_layers, decay=settings.decay,
+                                          signal_tokens=settings.signal_tokens), settings)
 
 
 @register("full_reuse", summary="nothing but uncached text (r = 0)")

@@ -84,6 +84,16 @@ def observe_reuse(adapter: ModelAdapter, layout: PromptLayout, layers: int, obse
     return Prefilled(cache, layers)
 
 
+def position_weighted(scores: torch.Tensor, decay: float) -> torch.Tensor:
+    """scores [N] of one chunk x (j + 1)^-decay at in-chunk position j: what a token's recompute is
+    worth is the attention it gets times how far its reused KV drifted, and drift falls with the
+    tokens of its own chunk before it (decay 0: the scores unchanged)."""
+    if decay == 0:
+        return scores
+    weight = torch.arange(1, scores.numel() + 1, dtype=torch.float32, device=scores.device).pow(-decay)
+    return scores.float() * weight
+
+
 def question_attention(adapter: ModelAdapter, layout: PromptLayout, layers: int, pipeline: Pipeline = Pipeline(),
                        capacity: int = 0) -> tuple[list[torch.Tensor], Prefilled]:
     """Per chunk [N_i]: the question's attention to each token, averaged over heads, question positions
