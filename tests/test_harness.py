@@ -9,8 +9,8 @@ import torch
 
 from cachetune.eval.datasets import QAExample
 from cachetune.eval.harness import EvalConfig, ProgressLog, Setting, Variant, _Request, run_example
-from cachetune.eval.report import (best_within, format_tables, pareto_frontier, plot_frontier, summarize_records,
-                                   sweep_records)
+from cachetune.eval.report import (best_within, format_tables, paired_comparison, pareto_frontier, plot_frontier,
+                                   summarize_records, sweep_records)
 
 
 def test_config_puts_full_recompute_first_once_and_rejects_unknown_methods():
@@ -192,6 +192,25 @@ def test_rows_cover_the_examples_that_have_their_method():
     report = {"model": "m", "dtype": "float32", "threads": 2, "config": {"ratio": 0.15},
               "datasets": summarize_records(records, ["full_recompute", "fast", "fast@0.3"])}
     assert "| n_examples |" in format_tables(report)
+
+
+def test_paired_comparison_pairs_examples_and_takes_per_example_timing_ratios():
+    records = [_record("d", i, [1000.0], [10.0 * (i + 1)]) for i in range(3)]
+    for i, r in enumerate(records):
+        fast = r["methods"]["fast"]
+        r["methods"]["base"] = {**fast, "ttft_ms": [5.0 * (i + 1)]}           # fast takes twice as long
+        r["methods"]["other"] = {**fast, "kl": 0.2 + 0.1 * (i != 1), "score": 1.0, "ttft_ms": [20.0 * (i + 1)]}
+    records.append(_record("d", 3, [1000.0], [10.0]))                        # no "other": left out
+    c = paired_comparison(records, "fast", "other", "base")
+    assert c["n_examples"] == 3
+    assert c["kl"] == pytest.approx(0.2) and c["other_kl"] == pytest.approx(0.8 / 3)
+    assert c["kl_diff"] == pytest.approx(-0.2 / 3) and c["wins"] == 2 and c["other_wins"] == 0
+    lo, hi = c["kl_diff_ci"]
+    assert -0.1 - 1e-9 <= lo <= c["kl_diff"] <= hi <= 1e-9
+    assert c["ttft_vs_base"] == pytest.approx(2.0) and c["ttft_vs_base_ci"] == pytest.approx([2.0, 2.0])
+    assert c["other_ttft_vs_base"] == pytest.approx(4.0)
+    assert c["quality_vs_full"]["ratio"] == 0.5 and c["other_quality_vs_full"]["ratio"] == 1.0
+    assert paired_comparison(records, "fast", "missing", "base") is None
 
 
 def test_sweep_examples_keep_only_the_main_ratio_past_the_first_examples():

@@ -8,6 +8,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from cachetune.methods.full_recompute import FULL_RECOMPUTE
 from cachetune.eval.metrics import bootstrap_mean, paired_ratio, summarize
 
@@ -83,6 +85,41 @@ def summarize_records(records: list[dict], methods: list[str]) -> dict[str, dict
 def sweep_records(records: list[dict], labels: list[str]) -> list[dict]:
     """The records that ran every one of `labels`: where a frontier compares variants on the same examples."""
     return [r for r in records if all(label in r["methods"] for label in labels)]
+
+
+def paired_comparison(records: list[dict], method: str, other: str, timing_base: str) -> dict | None:
+    """`method` against `other`, paired per example on the records that have both, `timing_base` and
+    full recompute; None when none has. Labels are as in the records (a sweep's carry "@<ratio>").
+
+    kl_diff: mean of per-example KL(method) - KL(other) with its 95% bootstrap interval (examples
+    resampled), and how many examples each wins; quality: each one's mean over full recompute's
+    (paired_ratio); ttft: the geometric mean of per-example median-TTFT ratios to `timing_base`,
+    with an interval for `method`'s. A per-example ratio pairs two requests on the same prompt, so
+    one long prompt does not weigh more than the rest.
+    """
+    names = (method, other, timing_base, FULL_RECOMPUTE)
+    have = [r for r in records if all(n in r["methods"] for n in names)]
+    if not have:
+        return None
+    a, b, base, full = ([r["methods"][n] for r in have] for n in names)
+    kl_a, kl_b = np.array([x["kl"] for x in a]), np.array([x["kl"] for x in b])
+    full_scores = [x["score"] for x in full]
+
+    def log_ttft(per: list[dict]) -> np.ndarray:
+        return np.log([statistics.median(x["ttft_ms"]) / statistics.median(y["ttft_ms"]) for x, y in zip(per, base)])
+
+    log_a = log_ttft(a)
+    return {
+        "n_examples": len(have),
+        "kl": float(kl_a.mean()), "other_kl": float(kl_b.mean()),
+        "kl_diff": float((kl_a - kl_b).mean()), "kl_diff_ci": list(bootstrap_mean(list(kl_a - kl_b))),
+        "wins": int((kl_a < kl_b).sum()), "other_wins": int((kl_a > kl_b).sum()),
+        "quality_vs_full": paired_ratio([x["score"] for x in a], full_scores),
+        "other_quality_vs_full": paired_ratio([x["score"] for x in b], full_scores),
+        "ttft_vs_base": float(np.exp(log_a.mean())),
+        "ttft_vs_base_ci": [float(np.exp(v)) for v in bootstrap_mean(list(log_a))],
+        "other_ttft_vs_base": float(np.exp(log_ttft(b).mean())),
+    }
 
 
 def _optional(recs: list[dict], method: str) -> dict:

@@ -1,0 +1,71 @@
+"""Issue 16's bars, paired per example, from `cachetune eval` progress files (resumable runs' JSONL).
+
+The default selection at the bars' ratio against every other method (at that ratio where it has
+one), on the examples both ran: mean KL to full recompute, the mean per-example KL difference with
+its 95% bootstrap interval and the examples each wins, F1 over full recompute's, and TTFT as the
+geometric mean of per-example ratios to `first` (issue 4's selection; eval.report.paired_comparison).
+
+    python scripts/bars.py results/smollm2/frontier/eval_*.progress.jsonl [--md OUT.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from cachetune.eval.report import paired_comparison
+
+RATIO = 0.15
+FIRST = "cachetune:first:allocation=proportional:signal=none"
+DEFAULT = "cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=4:signal_tokens=4"
+OTHERS = ("epic", "cacheblend", "prophetkv", FIRST, "full_reuse", "c2kv", "kvlink", "block_attention")
+SHORT = {FIRST: "first", DEFAULT: "default"}
+
+
+def load_records(path: Path) -> list[dict]:
+    """The per-example records of one progress file."""
+    return [json.loads(line)["record"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def at_ratio(records: list[dict], method: str) -> str:
+    """The label `method` has in these records: `<method>@<ratio>` when a sweep ran it, else plain."""
+    swept = f"{method}@{RATIO:g}"
+    return swept if any(swept in r["methods"] for r in records) else method
+
+
+def table(path: Path) -> str:
+    records = load_records(path)
+    default, first = at_ratio(records, DEFAULT), at_ratio(records, FIRST)
+    out = [f"{path}: {len(records)} examples, r = {RATIO:g}", "",
+           "| vs | n | KL default | KL it | diff (95% CI) | wins default / it | F1/full default (95% CI) "
+           "| F1/full it (95% CI) | TTFT/first default (95% CI) | TTFT/first it |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for method in OTHERS:
+        c = paired_comparison(records, default, at_ratio(records, method), first)
+        if c is None:
+            continue
+        q, qo, (lo, hi), (tlo, thi) = (c["quality_vs_full"], c["other_quality_vs_full"], c["kl_diff_ci"],
+                                       c["ttft_vs_base_ci"])
+        out.append(
+            f"| {SHORT.get(method, method)} | {c['n_examples']} | {c['kl']:.4f} | {c['other_kl']:.4f} "
+            f"| {c['kl_diff']:+.4f} ({lo:+.4f}, {hi:+.4f}) | {c['wins']} / {c['other_wins']} "
+            f"| {q['ratio']:.2f} ({q['ci_low']:.2f}-{q['ci_high']:.2f}) "
+            f"| {qo['ratio']:.2f} ({qo['ci_low']:.2f}-{qo['ci_high']:.2f}) "
+            f"| {c['ttft_vs_base']:.3f} ({tlo:.3f}-{thi:.3f}) | {c['other_ttft_vs_base']:.3f} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("progress", nargs="+", type=Path, help="eval progress files (*.progress.jsonl)")
+    parser.add_argument("--md", type=Path, help="also write the tables here")
+    args = parser.parse_args()
+    text = "\n\n".join(table(p) for p in args.progress) + "\n"
+    print(text)
+    if args.md:
+        args.md.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
