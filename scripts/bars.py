@@ -24,8 +24,14 @@ SHORT = {FIRST: "first", DEFAULT: "default"}
 
 
 def load_records(path: Path) -> list[dict]:
-    """The per-example records of one progress file."""
-    return [json.loads(line)["record"] for line in path.read_text().splitlines() if line.strip()]
+    """The per-example records of one progress file; a torn last line (a run cut off mid-write) is skipped."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line)["record"])
+        except (json.JSONDecodeError, KeyError):
+            continue
+    return records
 
 
 def at_ratio(records: list[dict], method: str) -> str:
