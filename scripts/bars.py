@@ -5,7 +5,7 @@ one), on the examples both ran: mean KL to full recompute, the mean per-example 
 its 95% bootstrap interval and the examples each wins, F1 over full recompute's, and TTFT as the
 geometric mean of per-example ratios to `first` (issue 4's selection; eval.report.paired_comparison).
 
-    python scripts/bars.py results/smollm2/frontier/eval_*.progress.jsonl [--md OUT.md]
+    python scripts/bars.py results/smollm2/frontier/eval_*.progress.jsonl [--limit N] [--md OUT.md]
 """
 
 from __future__ import annotations
@@ -23,15 +23,19 @@ OTHERS = ("epic", "cacheblend", "prophetkv", FIRST, "full_reuse", "c2kv", "kvlin
 SHORT = {FIRST: "first", DEFAULT: "default"}
 
 
-def load_records(path: Path) -> list[dict]:
-    """The per-example records of one progress file; a torn last line (a run cut off mid-write) is skipped."""
-    records = []
+def load_records(path: Path, limit: int | None = None) -> list[dict]:
+    """The per-example records of one progress file, the first `limit` examples of it with a limit.
+
+    As in a resumed run, an example's last line wins (a resumed run appends the example again with
+    the variants it added), and a torn last line (a run cut off mid-write) is skipped."""
+    records: dict[tuple[str, str], dict] = {}
     for line in path.read_text().splitlines():
         try:
-            records.append(json.loads(line)["record"])
+            record = json.loads(line)["record"]
         except (json.JSONDecodeError, KeyError):
             continue
-    return records
+        records[(record["dataset"], record["id"])] = record  # re-insertion keeps the first position
+    return list(records.values())[:limit]
 
 
 def at_ratio(records: list[dict], method: str) -> str:
@@ -40,8 +44,8 @@ def at_ratio(records: list[dict], method: str) -> str:
     return swept if any(swept in r["methods"] for r in records) else method
 
 
-def table(path: Path) -> str:
-    records = load_records(path)
+def table(path: Path, limit: int | None = None) -> str:
+    records = load_records(path, limit)
     default, first = at_ratio(records, DEFAULT), at_ratio(records, FIRST)
     out = [f"{path}: {len(records)} examples, r = {RATIO:g}", "",
            "| vs | n | KL default | KL it | diff (95% CI) | wins default / it | F1/full default (95% CI) "
@@ -65,9 +69,10 @@ def table(path: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("progress", nargs="+", type=Path, help="eval progress files (*.progress.jsonl)")
+    parser.add_argument("--limit", type=int, help="only each file's first N examples (what fewer examples said)")
     parser.add_argument("--md", type=Path, help="also write the tables here")
     args = parser.parse_args()
-    text = "\n\n".join(table(p) for p in args.progress) + "\n"
+    text = "\n\n".join(table(p, args.limit) for p in args.progress) + "\n"
     print(text)
     if args.md:
         args.md.write_text(text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -299,6 +300,14 @@ def best_within(points: dict[str, tuple[float, float]], budget: float) -> str | 
     return min(fits)[2] if fits else None
 
 
+def _minor_tick_label(x: float, _pos) -> str:
+    """Log-axis minor ticks labelled at 2x and 5x a power of ten only (all of them overlap)."""
+    if x <= 0:
+        return ""
+    lead = x / 10 ** math.floor(math.log10(x))
+    return f"{x:g}" if round(lead) in (2, 5) and abs(lead - round(lead)) < 1e-6 else ""
+
+
 def plot_frontier(report: dict, out_dir: str | Path, mark: str | None = None) -> list[Path]:
     """Per dataset, KL to full and quality against median TTFT: one line per method across its
     ratios ("name@r" labels, r written beside each point), single points for methods without a
@@ -335,7 +344,7 @@ def plot_frontier(report: dict, out_dir: str | Path, mark: str | None = None) ->
                                edgecolors="black", zorder=5, label="the default")
             ax.set_xscale("log")
             ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda x, _: f"{x:g}"))
-            ax.xaxis.set_minor_formatter(plt.FuncFormatter(lambda x, _: f"{x:g}"))
+            ax.xaxis.set_minor_formatter(plt.FuncFormatter(_minor_tick_label))
             ax.set_xlabel("TTFT median (s, log scale)")
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
