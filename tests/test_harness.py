@@ -238,3 +238,21 @@ def test_run_key_names_the_selection_only_where_a_method_reads_it_from_the_confi
     # explicit names measure the same whatever the defaults: a run resumes under other defaults
     assert EvalConfig(methods=["cachetune:first:allocation=spread:signal=question"]).run_key(other) == \
         EvalConfig(methods=["cachetune:first:allocation=spread:signal=question"]).run_key(engine)
+
+
+def test_bars_script_reads_an_example_once_with_its_last_record_and_skips_a_torn_line(tmp_path):
+    """A resumed run appends an example again with the variants it added: scripts/bars.py must count
+    it once, with the later record, in the example's first position; --limit takes the first N."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bars", Path(__file__).parents[1] / "scripts" / "bars.py")
+    bars = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bars)
+    rows = [{"dataset": "d", "id": "a", "methods": {"x": 1}}, {"dataset": "d", "id": "b", "methods": {}},
+            {"dataset": "d", "id": "a", "methods": {"x": 1, "y": 2}}]
+    path = tmp_path / "p.progress.jsonl"
+    path.write_text("".join(json.dumps({"key": {}, "record": r}) + "\n" for r in rows) + '{"key": {}, "rec')
+    records = bars.load_records(path)
+    assert [(r["id"], sorted(r["methods"])) for r in records] == [("a", ["x", "y"]), ("b", [])]
+    assert [r["id"] for r in bars.load_records(path, limit=1)] == ["a"]
