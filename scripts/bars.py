@@ -2,7 +2,8 @@
 
 The default selection at the bars' ratio against every other method (at that ratio where it has
 one), on the examples both ran: mean KL to full recompute, the mean per-example KL difference with
-its 95% bootstrap interval and the examples each wins, F1 over full recompute's, and TTFT as the
+its 95% bootstrap interval and the examples each wins, top-1 agreement with full recompute along
+its answer (per-example means, the paired difference's interval), F1 over full recompute's, and TTFT as the
 geometric mean of per-example ratios to `first` (issue 4's selection; eval.report.paired_comparison).
 
     python scripts/bars.py results/smollm2/frontier/eval_*.progress.jsonl [--limit N] [--md OUT.md]
@@ -48,18 +49,20 @@ def table(path: Path, limit: int | None = None) -> str:
     records = load_records(path, limit)
     default, first = at_ratio(records, DEFAULT), at_ratio(records, FIRST)
     out = [f"{path}: {len(records)} examples, r = {RATIO:g}", "",
-           "| vs | n | KL default | KL it | diff (95% CI) | wins default / it | F1/full default (95% CI) "
-           "| F1/full it (95% CI) | TTFT/first default (95% CI) | TTFT/first it |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "| vs | n | KL default | KL it | diff (95% CI) | wins default / it | top-1 default / it, diff (95% CI) "
+           "| F1/full default (95% CI) | F1/full it (95% CI) | TTFT/first default (95% CI) | TTFT/first it |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for method in OTHERS:
         c = paired_comparison(records, default, at_ratio(records, method), first)
         if c is None:
             continue
         q, qo, (lo, hi), (tlo, thi) = (c["quality_vs_full"], c["other_quality_vs_full"], c["kl_diff_ci"],
                                        c["ttft_vs_base_ci"])
+        t_lo, t_hi = c["top1_diff_ci"]
         out.append(
             f"| {SHORT.get(method, method)} | {c['n_examples']} | {c['kl']:.4f} | {c['other_kl']:.4f} "
             f"| {c['kl_diff']:+.4f} ({lo:+.4f}, {hi:+.4f}) | {c['wins']} / {c['other_wins']} "
+            f"| {c['top1']:.3f} / {c['other_top1']:.3f}, {c['top1_diff']:+.3f} ({t_lo:+.3f}, {t_hi:+.3f}) "
             f"| {q['ratio']:.2f} ({q['ci_low']:.2f}-{q['ci_high']:.2f}) "
             f"| {qo['ratio']:.2f} ({qo['ci_low']:.2f}-{qo['ci_high']:.2f}) "
             f"| {c['ttft_vs_base']:.3f} ({tlo:.3f}-{thi:.3f}) | {c['other_ttft_vs_base']:.3f} |")

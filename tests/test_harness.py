@@ -199,7 +199,8 @@ def test_paired_comparison_pairs_examples_and_takes_per_example_timing_ratios():
     for i, r in enumerate(records):
         fast = r["methods"]["fast"]
         r["methods"]["base"] = {**fast, "ttft_ms": [5.0 * (i + 1)]}           # fast takes twice as long
-        r["methods"]["other"] = {**fast, "kl": 0.2 + 0.1 * (i != 1), "score": 1.0, "ttft_ms": [20.0 * (i + 1)]}
+        r["methods"]["other"] = {**fast, "kl": 0.2 + 0.1 * (i != 1), "score": 1.0, "ttft_ms": [20.0 * (i + 1)],
+                                 "top1": [1.0, 1.0] if i != 1 else [1.0, 0.0]}
     records.append(_record("d", 3, [1000.0], [10.0]))                        # no "other": left out
     c = paired_comparison(records, "fast", "other", "base")
     assert c["n_examples"] == 3
@@ -207,6 +208,9 @@ def test_paired_comparison_pairs_examples_and_takes_per_example_timing_ratios():
     assert c["kl_diff"] == pytest.approx(-0.2 / 3) and c["wins"] == 2 and c["other_wins"] == 0
     lo, hi = c["kl_diff_ci"]
     assert -0.1 - 1e-9 <= lo <= c["kl_diff"] <= hi <= 1e-9
+    assert c["top1"] == pytest.approx(0.5) and c["other_top1"] == pytest.approx(2.5 / 3)  # per-example means
+    lo, hi = c["top1_diff_ci"]
+    assert c["top1_diff"] == pytest.approx(-1 / 3) and -0.5 - 1e-9 <= lo <= c["top1_diff"] <= hi <= 1e-9
     assert c["ttft_vs_base"] == pytest.approx(2.0) and c["ttft_vs_base_ci"] == pytest.approx([2.0, 2.0])
     assert c["other_ttft_vs_base"] == pytest.approx(4.0)
     assert c["quality_vs_full"]["ratio"] == 0.5 and c["other_quality_vs_full"]["ratio"] == 1.0

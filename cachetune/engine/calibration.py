@@ -20,12 +20,13 @@ import json
 import logging
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+from cachetune.atomic import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -136,14 +137,5 @@ class CalibrationFile:
                 log.warning("moved the unreadable calibration file to %s.bad", self.path)
             entries[key.text()] = {**entry, "key": {"fingerprint": key.fingerprint, "device": key.device,
                                                     "dtype": key.dtype, "tier": key.tier}}
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    json.dump({"format": FORMAT, "entries": entries}, f, indent=2, sort_keys=True)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            write_text_atomic(self.path, json.dumps({"format": FORMAT, "entries": entries}, indent=2, sort_keys=True))
             self._seen = None

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from cachetune.atomic import write_text_atomic
 from cachetune.methods.full_recompute import FULL_RECOMPUTE
 from cachetune.eval.metrics import bootstrap_mean, paired_ratio, summarize
 
@@ -93,8 +92,9 @@ def paired_comparison(records: list[dict], method: str, other: str, timing_base:
     full recompute; None when none has. Labels are as in the records (a sweep's carry "@<ratio>").
 
     kl_diff: mean of per-example KL(method) - KL(other) with its 95% bootstrap interval (examples
-    resampled), and how many examples each wins; quality: each one's mean over full recompute's
-    (paired_ratio); ttft: the geometric mean of per-example median-TTFT ratios to `timing_base`,
+    resampled), and how many examples each wins; top1: each one's mean per-example share of answer
+    positions whose argmax agrees with full recompute's, and the paired difference with its interval;
+    quality: each one's mean over full recompute's (paired_ratio); ttft: the geometric mean of per-example median-TTFT ratios to `timing_base`,
     with an interval for `method`'s. A per-example ratio pairs two requests on the same prompt, so
     one long prompt does not weigh more than the rest.
     """
@@ -104,6 +104,7 @@ def paired_comparison(records: list[dict], method: str, other: str, timing_base:
         return None
     a, b, base, full = ([r["methods"][n] for r in have] for n in names)
     kl_a, kl_b = np.array([x["kl"] for x in a]), np.array([x["kl"] for x in b])
+    top1_a, top1_b = (np.array([statistics.fmean(x["top1"]) for x in per]) for per in (a, b))
     full_scores = [x["score"] for x in full]
 
     def log_ttft(per: list[dict]) -> np.ndarray:
@@ -115,6 +116,8 @@ def paired_comparison(records: list[dict], method: str, other: str, timing_base:
         "kl": float(kl_a.mean()), "other_kl": float(kl_b.mean()),
         "kl_diff": float((kl_a - kl_b).mean()), "kl_diff_ci": list(bootstrap_mean(list(kl_a - kl_b))),
         "wins": int((kl_a < kl_b).sum()), "other_wins": int((kl_a > kl_b).sum()),
+        "top1": float(top1_a.mean()), "other_top1": float(top1_b.mean()),
+        "top1_diff": float((top1_a - top1_b).mean()), "top1_diff_ci": list(bootstrap_mean(list(top1_a - top1_b))),
         "quality_vs_full": paired_ratio([x["score"] for x in a], full_scores),
         "other_quality_vs_full": paired_ratio([x["score"] for x in b], full_scores),
         "ttft_vs_base": float(np.exp(log_a.mean())),
@@ -195,12 +198,7 @@ def _span(interval, digits: int = 3) -> str:
 
 def write_json(data: dict, path: str | Path) -> None:
     """Atomic write: a reader never sees half a report."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=2))
 
 
 def pyplot():
