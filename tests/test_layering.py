@@ -10,7 +10,7 @@ import cachetune
 
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS = [
-    {"errors", "config", "lru"},  # leaf modules: no cachetune imports
+    {"errors", "config", "lru", "atomic"},  # leaf modules: no cachetune imports
     {"model"},
     {"runtime"},
     {"chunks", "c2kv", "kvlink", "blockattn"},

@@ -94,8 +94,8 @@ def paired_comparison(records: list[dict], method: str, other: str, timing_base:
     kl_diff: mean of per-example KL(method) - KL(other) with its 95% bootstrap interval (examples
     resampled), and how many examples each wins; top1: each one's mean per-example share of answer
     positions whose argmax agrees with full recompute's, and the paired difference with its interval;
-    quality: each one's mean over full recompute's (paired_ratio); ttft: the geometric mean of per-example median-TTFT ratios to `timing_base`,
-    with an interval for `method`'s. A per-example ratio pairs two requests on the same prompt, so
+    quality: each one's mean over full recompute's (paired_ratio); ttft: the geometric mean of
+    per-example median-TTFT ratios to `timing_base`, with an interval for `method`'s. A per-example ratio pairs two requests on the same prompt, so
     one long prompt does not weigh more than the rest.
     """
     names = (method, other, timing_base, FULL_RECOMPUTE)
