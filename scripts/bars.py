@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from pathlib import Path
 
 from cachetune.eval.report import paired_comparison
@@ -45,10 +46,17 @@ def at_ratio(records: list[dict], method: str) -> str:
     return swept if any(swept in r["methods"] for r in records) else method
 
 
+def machines(records: list[dict], label: str) -> str:
+    """Where `label`'s timings came from: each device with its example count, most first (records
+    from before the harness named the device count as "unrecorded")."""
+    counts = Counter(r["methods"][label].get("device", "unrecorded") for r in records if label in r["methods"])
+    return ", ".join(f"{device} ({n})" for device, n in counts.most_common())
+
+
 def table(path: Path, limit: int | None = None) -> str:
     records = load_records(path, limit)
     default, first = at_ratio(records, DEFAULT), at_ratio(records, FIRST)
-    out = [f"{path}: {len(records)} examples, r = {RATIO:g}", "",
+    out = [f"{path}: {len(records)} examples, r = {RATIO:g}; the default timed on {machines(records, default)}", "",
            "| vs | n | KL default | KL it | diff (95% CI) | wins default / it | top-1 default / it, diff (95% CI) "
            "| F1/full default (95% CI) | F1/full it (95% CI) | TTFT/first default (95% CI) | TTFT/first it |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]

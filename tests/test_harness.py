@@ -260,3 +260,6 @@ def test_bars_script_reads_an_example_once_with_its_last_record_and_skips_a_torn
     records = bars.load_records(path)
     assert [(r["id"], sorted(r["methods"])) for r in records] == [("a", ["x", "y"]), ("b", [])]
     assert [r["id"] for r in bars.load_records(path, limit=1)] == ["a"]
+    timed = [{"methods": {"m": {"device": "cpu:B:2t"}}}, {"methods": {"m": {}}}, {"methods": {"n": {}}},
+             {"methods": {"m": {"device": "cpu:A:2t"}}}, {"methods": {"m": {"device": "cpu:A:2t"}}}]
+    assert bars.machines(timed, "m") == "cpu:A:2t (2), cpu:B:2t (1), unrecorded (1)"

@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from cachetune.config import EngineConfig
+from cachetune.engine.calibration import device_identity
 from cachetune.engine.engine import Engine
 from cachetune.engine.prompt import DEFAULT_SYSTEM, DOCUMENT_SEPARATOR, QUESTION_LABEL  # noqa: F401 - re-exported
 from cachetune.eval.datasets import QAExample
@@ -234,6 +235,8 @@ def run_example(engine: Engine, req: _Request, variants: list[Variant], dataset:
         record["no_context_nll"] = _gold_nll(engine, engine.prefill(bare.prompt(), FULL_RECOMPUTE), gold)
     ref_answer: list[int] = []
     ref_logits = None
+    # Timings from one progress file may come from several machines (resumed runs): each says where.
+    device = device_identity(engine.adapter.device)
     for variant in variants:
         result, ttft = req.start(variant, req.sampling.max_new_tokens + 1)
         if variant.method == FULL_RECOMPUTE:
@@ -260,6 +263,7 @@ def run_example(engine: Engine, req: _Request, variants: list[Variant], dataset:
             "reused_rows": result.reused_rows,
             "prompt_rows": result.prompt_rows,
             "answer": text,
+            "device": device,
         }
         if nll is not None:
             record["methods"][variant.label]["nll"] = nll
