@@ -103,8 +103,9 @@ def test_eval_adds_only_the_missing_methods_to_resumed_examples(qa_file, tmp_pat
     assert set(grown) == {"full_recompute", "full_reuse", "cachetune:first"}
     assert len(grown["cachetune:first"]["full_ttft_ms"]) == 1  # its own reference timing
     # Every timing names the machine and threads it was measured with (resumed runs may mix machines).
-    here = device_identity(EngineConfig().torch_device)  # the CLI's default device
-    assert {m["device"] for m in grown.values()} == {here}
+    device = EngineConfig().torch_device  # the CLI's default device
+    here = device_identity(device)
+    assert {m["device"] for m in grown.values()} == {here} and here.startswith(f"{device.type}:")
 
 
 def test_eval_runs_ratio_methods_once_per_ratio(qa_file, tmp_path):
