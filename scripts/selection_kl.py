@@ -5,7 +5,7 @@ so many variants fit in one run) and its time to first token measured once per e
 run as every other variant. Resumable: rows already in the output file are skipped.
 
     python scripts/selection_kl.py --data hotpotqa_heldout --limit 12 [--skip N] --variants FILE --out OUT.jsonl
-    python scripts/selection_kl.py --summary OUT.jsonl [...]
+    python scripts/selection_kl.py --summary OUT.jsonl [...] [--baseline VARIANT]
 
 FILE holds one method spec per line ("cachetune:first:allocation=starts:signal=question", ...);
 plain "cachetune" is each chunk's top r by the `first` ranking alone (what the default was before).
@@ -75,6 +75,8 @@ def summary(paths: list[str], baseline: str = "cachetune") -> str:
         by: dict[str, dict[str, dict]] = defaultdict(dict)
         for row in map(json.loads, Path(path).read_text().splitlines()):
             by[row["variant"]][row["id"]] = row
+        if baseline not in by:
+            raise SystemExit(f"{path}: no rows of the baseline {baseline!r} (--baseline names one of: {', '.join(by)})")
         ids = set.intersection(*(set(v) for v in by.values()))
         base = by[baseline]
         parts += [f"{path}: {len(ids)} examples, ~{statistics.fmean(base[i]['prompt'] for i in ids):.0f} prompt tokens",
@@ -99,9 +101,10 @@ def main() -> None:
     p.add_argument("--variants")
     p.add_argument("--out")
     p.add_argument("--summary", nargs="+", help="print the tables of these output files instead of running")
+    p.add_argument("--baseline", default="cachetune", help="--summary: the variant TTFT is relative to")
     args = p.parse_args()
     if args.summary:
-        print(summary(args.summary))
+        print(summary(args.summary, args.baseline))
     else:
         run(args)
 

@@ -263,3 +263,29 @@ def test_bars_script_reads_an_example_once_with_its_last_record_and_skips_a_torn
     timed = [{"methods": {"m": {"device": "cpu:B:2t"}}}, {"methods": {"m": {}}}, {"methods": {"n": {}}},
              {"methods": {"m": {"device": "cpu:A:2t"}}}, {"methods": {"m": {"device": "cpu:A:2t"}}}]
     assert bars.machines(timed, "m") == "cpu:A:2t (2), cpu:B:2t (1), unrecorded (1)"
+
+
+def test_selection_kl_summary_is_relative_to_the_named_baseline_and_names_the_variants_when_it_is_missing(tmp_path):
+    """scripts/selection_kl.py --summary: TTFT is the mean per-example ratio to --baseline, over the
+    examples every variant has; a baseline with no rows is a clear error that lists the variants."""
+    import importlib.util
+    from pathlib import Path
+
+    import pytest
+
+    spec = importlib.util.spec_from_file_location("selection_kl", Path(__file__).parents[1] / "scripts" / "selection_kl.py")
+    selection_kl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(selection_kl)
+    rows = [{"id": "a", "variant": "p", "kl": 0.2, "ttft": 10.0, "share": 0.15, "prompt": 100},
+            {"id": "a", "variant": "q", "kl": 0.1, "ttft": 20.0, "share": 0.15, "prompt": 100},
+            {"id": "b", "variant": "p", "kl": 0.4, "ttft": 10.0, "share": 0.15, "prompt": 300},
+            {"id": "b", "variant": "q", "kl": 0.3, "ttft": 40.0, "share": 0.15, "prompt": 300},
+            {"id": "c", "variant": "p", "kl": 9.0, "ttft": 1.0, "share": 0.15, "prompt": 900}]  # q lacks c
+    path = tmp_path / "out.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = selection_kl.summary([str(path)], baseline="p")
+    assert "2 examples, ~200 prompt tokens" in table
+    assert "| p | 0.3000 | 1.00 | 0.150 |" in table
+    assert "| q | 0.2000 | 3.00 | 0.150 |" in table
+    with pytest.raises(SystemExit, match="baseline 'cachetune'.*p, q"):
+        selection_kl.summary([str(path)])
