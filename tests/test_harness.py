@@ -244,15 +244,21 @@ def test_run_key_names_the_selection_only_where_a_method_reads_it_from_the_confi
         EvalConfig(methods=["cachetune:first:allocation=spread:signal=question"]).run_key(engine)
 
 
-def test_bars_script_reads_an_example_once_with_its_last_record_and_skips_a_torn_line(tmp_path):
-    """A resumed run appends an example again with the variants it added: scripts/bars.py must count
-    it once, with the later record, in the example's first position; --limit takes the first N."""
+def _script(name: str):
+    """scripts/<name>.py loaded as a module (the scripts are not a package)."""
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("bars", Path(__file__).parents[1] / "scripts" / "bars.py")
-    bars = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bars)
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bars_script_reads_an_example_once_with_its_last_record_and_skips_a_torn_line(tmp_path):
+    """A resumed run appends an example again with the variants it added: scripts/bars.py must count
+    it once, with the later record, in the example's first position; --limit takes the first N."""
+    bars = _script("bars")
     rows = [{"dataset": "d", "id": "a", "methods": {"x": 1}}, {"dataset": "d", "id": "b", "methods": {}},
             {"dataset": "d", "id": "a", "methods": {"x": 1, "y": 2}}]
     path = tmp_path / "p.progress.jsonl"
@@ -268,14 +274,9 @@ def test_bars_script_reads_an_example_once_with_its_last_record_and_skips_a_torn
 def test_selection_kl_summary_is_relative_to_the_named_baseline_and_names_the_variants_when_it_is_missing(tmp_path):
     """scripts/selection_kl.py --summary: TTFT is the mean per-example ratio to --baseline, over the
     examples every variant has; a baseline with no rows is a clear error that lists the variants."""
-    import importlib.util
-    from pathlib import Path
-
     import pytest
 
-    spec = importlib.util.spec_from_file_location("selection_kl", Path(__file__).parents[1] / "scripts" / "selection_kl.py")
-    selection_kl = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(selection_kl)
+    selection_kl = _script("selection_kl")
     rows = [{"id": "a", "variant": "p", "kl": 0.2, "ttft": 10.0, "share": 0.15, "prompt": 100},
             {"id": "a", "variant": "q", "kl": 0.1, "ttft": 20.0, "share": 0.15, "prompt": 100},
             {"id": "b", "variant": "p", "kl": 0.4, "ttft": 10.0, "share": 0.15, "prompt": 300},
