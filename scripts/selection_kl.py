@@ -25,7 +25,7 @@ from cachetune.config import EngineConfig
 from cachetune.engine.engine import Engine
 from cachetune.eval.datasets import load_dataset
 from cachetune.eval.harness import Variant, _teacher_forced_logits, prepare
-from cachetune.eval.metrics import kl_to_reference
+from cachetune.eval.metrics import bootstrap_mean, kl_to_reference
 from cachetune.methods.full_recompute import FULL_RECOMPUTE
 
 
@@ -68,8 +68,10 @@ def run(args) -> None:
 
 
 def summary(paths: list[str], baseline: str = "cachetune") -> str:
-    """Markdown: per file, mean KL and mean per-example TTFT ratio to `baseline`, on the examples
-    every variant has."""
+    """Markdown: per file, on the examples every variant has, each variant's mean KL; its paired
+    difference to `baseline` (mean per-example KL(variant) - KL(baseline), 95% bootstrap interval)
+    and the examples each of the two has the lower KL on (Qwen's KL is heavy-tailed, so the counts
+    say what a mean may hide); and its mean per-example TTFT ratio to `baseline`."""
     parts = []
     for path in paths:
         by: dict[str, dict[str, dict]] = defaultdict(dict)
@@ -80,12 +82,18 @@ def summary(paths: list[str], baseline: str = "cachetune") -> str:
         ids = set.intersection(*(set(v) for v in by.values()))
         base = by[baseline]
         parts += [f"{path}: {len(ids)} examples, ~{statistics.fmean(base[i]['prompt'] for i in ids):.0f} prompt tokens",
-                  "", "| variant | KL to full | TTFT / baseline | recomputed share |", "|---|---|---|---|"]
+                  "", "| variant | KL to full | KL - baseline (95% CI) | lower KL: variant / baseline "
+                  "| TTFT / baseline | recomputed share |", "|---|---|---|---|---|---|"]
+        order = sorted(ids)  # a fixed order, so the bootstrap resamples the same examples every time
         for name, rows in by.items():
             kl = statistics.fmean(rows[i]["kl"] for i in ids)
+            diffs = [rows[i]["kl"] - base[i]["kl"] for i in order]
+            lo, hi = bootstrap_mean(diffs)
+            wins = f"{sum(d < 0 for d in diffs)} / {sum(d > 0 for d in diffs)}"
             rel = statistics.fmean(rows[i]["ttft"] / base[i]["ttft"] for i in ids)
             share = statistics.fmean(rows[i]["share"] for i in ids)
-            parts.append(f"| {name} | {kl:.4f} | {rel:.2f} | {share:.3f} |")
+            parts.append(f"| {name} | {kl:.4f} | {statistics.fmean(diffs):+.4f} ({lo:+.4f}, {hi:+.4f}) | {wins} "
+                         f"| {rel:.2f} | {share:.3f} |")
         parts.append("")
     return "\n".join(parts)
 

@@ -272,7 +272,8 @@ def test_bars_script_reads_an_example_once_with_its_last_record_and_skips_a_torn
 
 
 def test_selection_kl_summary_is_relative_to_the_named_baseline_and_names_the_variants_when_it_is_missing(tmp_path):
-    """scripts/selection_kl.py --summary: TTFT is the mean per-example ratio to --baseline, over the
+    """scripts/selection_kl.py --summary: the KL difference to --baseline is paired per example (with
+    its interval and the examples each side wins), TTFT the mean per-example ratio to it, over the
     examples every variant has; a baseline with no rows is a clear error that lists the variants."""
     import pytest
 
@@ -286,7 +287,7 @@ def test_selection_kl_summary_is_relative_to_the_named_baseline_and_names_the_va
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     table = selection_kl.summary([str(path)], baseline="p")
     assert "2 examples, ~200 prompt tokens" in table
-    assert "| p | 0.3000 | 1.00 | 0.150 |" in table
-    assert "| q | 0.2000 | 3.00 | 0.150 |" in table
+    assert "| p | 0.3000 | +0.0000 (+0.0000, +0.0000) | 0 / 0 | 1.00 | 0.150 |" in table
+    assert "| q | 0.2000 | -0.1000 (-0.1000, -0.1000) | 2 / 0 | 3.00 | 0.150 |" in table
     with pytest.raises(SystemExit, match="baseline 'cachetune'.*p, q"):
         selection_kl.summary([str(path)])
