@@ -5,7 +5,11 @@ so many variants fit in one run) and its time to first token measured once per e
 run as every other variant. Resumable: rows already in the output file are skipped.
 
     python scripts/selection_kl.py --data hotpotqa_heldout --limit 12 [--skip N] --variants FILE --out OUT.jsonl
-    python scripts/selection_kl.py --summary OUT.jsonl [...] [--baseline VARIANT]
+    python scripts/selection_kl.py --summary OUT.jsonl [...] [--baseline VARIANT] [--pool]
+
+--summary also reads `cachetune eval` progress files (the same KL: teacher-forced on full
+recompute's greedy answer), each method at --ratio, so a frontier run's examples and this script's
+can be compared, or with --pool read as one sample (their examples must not overlap).
 
 FILE holds one method spec per line ("cachetune:first:allocation=starts:signal=question", ...);
 plain "cachetune" is each chunk's top r by the `first` ranking alone (what the default was before).
@@ -67,32 +71,67 @@ def run(args) -> None:
                 f.flush()
 
 
-def summary(paths: list[str], baseline: str = "cachetune") -> str:
-    """Markdown: per file, on the examples every variant has, each variant's mean KL; its paired
-    difference to `baseline` (mean per-example KL(variant) - KL(baseline), 95% bootstrap interval)
-    and the examples each of the two has the lower KL on (Qwen's KL is heavy-tailed, so the counts
-    say what a mean may hide); and its mean per-example TTFT ratio to `baseline`."""
+def read_rows(path: str | Path, ratio: float) -> list[dict]:
+    """This script's rows from its output file, or from a `cachetune eval` progress file: each
+    method of each example at `ratio` (a swept method's "<method>@<ratio>" named "<method>"), an
+    example's last line winning as when the run resumed."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line: a run cut off mid-write
+        if "record" not in item:
+            rows.append(item)
+            continue
+        record = item["record"]
+        full_ms = record["methods"][FULL_RECOMPUTE]["ttft_ms"][0]
+        for label, m in record["methods"].items():
+            name, _, at = label.partition("@")
+            if label == FULL_RECOMPUTE or "kl" not in m or (at and float(at) != ratio):
+                continue
+            rows.append({"id": record["id"], "variant": name, "kl": m["kl"], "ttft": m["ttft_ms"][0],
+                         "full_ttft": m.get("full_ttft_ms", full_ms), "share": m["recomputed_share"],
+                         "prompt": record["prompt_tokens"]})
+    return rows
+
+
+def summary(paths: list[str], baseline: str = "cachetune", ratio: float = EngineConfig.ratio,
+            pool: bool = False) -> str:
+    """Markdown: per file (or, with `pool`, for all files as one sample), on the examples every
+    variant has, each variant's mean KL; its paired difference to `baseline` (mean per-example
+    KL(variant) - KL(baseline), 95% bootstrap interval) and the examples each of the two has the
+    lower KL on (Qwen's KL is heavy-tailed, so the counts say what a mean may hide); and its mean
+    per-example TTFT ratio to `baseline` (both timed in the same run)."""
+    groups = {" + ".join(paths): paths} if pool else {p: [p] for p in paths}
     parts = []
-    for path in paths:
+    for name, files in groups.items():
         by: dict[str, dict[str, dict]] = defaultdict(dict)
-        for row in map(json.loads, Path(path).read_text().splitlines()):
-            by[row["variant"]][row["id"]] = row
+        in_files: dict[str, set[int]] = defaultdict(set)
+        for n, path in enumerate(files):
+            for row in read_rows(path, ratio):
+                if row["id"] in by[row["variant"]] and n not in in_files[row["variant"]]:
+                    raise SystemExit(f"--pool: {row['id']} is in more than one file")
+                by[row["variant"]][row["id"]] = row
+                in_files[row["variant"]].add(n)
         if baseline not in by:
-            raise SystemExit(f"{path}: no rows of the baseline {baseline!r} (--baseline names one of: {', '.join(by)})")
-        ids = set.intersection(*(set(v) for v in by.values()))
+            raise SystemExit(f"{name}: no rows of the baseline {baseline!r} (--baseline names one of: {', '.join(by)})")
+        # The variants every file has, on the examples all of them have: every row, one sample.
+        variants = {v: rows for v, rows in by.items() if len(in_files[v]) == len(files)}
+        ids = set.intersection(*(set(rows) for rows in variants.values()))
         base = by[baseline]
-        parts += [f"{path}: {len(ids)} examples, ~{statistics.fmean(base[i]['prompt'] for i in ids):.0f} prompt tokens",
+        parts += [f"{name}: {len(ids)} examples, ~{statistics.fmean(base[i]['prompt'] for i in ids):.0f} prompt tokens",
                   "", "| variant | KL to full | KL - baseline (95% CI) | lower KL: variant / baseline "
                   "| TTFT / baseline | recomputed share |", "|---|---|---|---|---|---|"]
         order = sorted(ids)  # a fixed order, so the bootstrap resamples the same examples every time
-        for name, rows in by.items():
+        for variant, rows in variants.items():
             kl = statistics.fmean(rows[i]["kl"] for i in ids)
             diffs = [rows[i]["kl"] - base[i]["kl"] for i in order]
             lo, hi = bootstrap_mean(diffs)
             wins = f"{sum(d < 0 for d in diffs)} / {sum(d > 0 for d in diffs)}"
             rel = statistics.fmean(rows[i]["ttft"] / base[i]["ttft"] for i in ids)
             share = statistics.fmean(rows[i]["share"] for i in ids)
-            parts.append(f"| {name} | {kl:.4f} | {statistics.fmean(diffs):+.4f} ({lo:+.4f}, {hi:+.4f}) | {wins} "
+            parts.append(f"| {variant} | {kl:.4f} | {statistics.fmean(diffs):+.4f} ({lo:+.4f}, {hi:+.4f}) | {wins} "
                          f"| {rel:.2f} | {share:.3f} |")
         parts.append("")
     return "\n".join(parts)
@@ -110,9 +149,10 @@ def main() -> None:
     p.add_argument("--out")
     p.add_argument("--summary", nargs="+", help="print the tables of these output files instead of running")
     p.add_argument("--baseline", default="cachetune", help="--summary: the variant TTFT is relative to")
+    p.add_argument("--pool", action="store_true", help="--summary: all files as one sample")
     args = p.parse_args()
     if args.summary:
-        print(summary(args.summary, args.baseline))
+        print(summary(args.summary, args.baseline, args.ratio, args.pool))
     else:
         run(args)
 

@@ -291,3 +291,31 @@ def test_selection_kl_summary_is_relative_to_the_named_baseline_and_names_the_va
     assert "| q | 0.2000 | -0.1000 (-0.1000, -0.1000) | 2 / 0 | 3.00 | 0.150 |" in table
     with pytest.raises(SystemExit, match="baseline 'cachetune'.*p, q"):
         selection_kl.summary([str(path)])
+
+
+def test_selection_kl_summary_pools_an_eval_progress_file_with_its_own_rows_at_the_ratio(tmp_path):
+    """--summary --pool: a `cachetune eval` progress file's methods at --ratio (swept labels
+    "<m>@<r>" read as "<m>", other ratios left out) join this script's rows as one sample, over the
+    variants both files have; an example in both files is an error, not a double count."""
+    import pytest
+
+    selection_kl = _script("selection_kl")
+
+    def method(kl, ms):
+        return {"kl": kl, "ttft_ms": [ms], "recomputed_share": 0.15}
+
+    record = {"id": "e1", "dataset": "d", "prompt_tokens": 500, "methods": {
+        "full_recompute": {"ttft_ms": [100.0]}, "p@0.15": method(0.5, 10.0), "p@0.3": method(9.0, 1.0),
+        "q@0.15": method(0.2, 30.0), "only_here": method(0.0, 1.0)}}
+    progress = tmp_path / "eval.progress.jsonl"
+    progress.write_text(json.dumps({"key": {}, "record": record}) + "\n" + '{"torn')
+    rows = [{"id": "e2", "variant": v, "kl": kl, "ttft": 10.0, "share": 0.15, "prompt": 100}
+            for v, kl in (("p", 0.3), ("q", 0.4))]
+    own = tmp_path / "own.jsonl"
+    own.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = selection_kl.summary([str(progress), str(own)], baseline="p", ratio=0.15, pool=True)
+    assert "2 examples, ~300 prompt tokens" in table
+    assert "| q | 0.3000 | -0.1000 (-0.3000, +0.1000) | 1 / 1 | 2.00 | 0.150 |" in table
+    assert "only_here" not in table
+    with pytest.raises(SystemExit, match="e2 is in more than one file"):
+        selection_kl.summary([str(own), str(own)], baseline="p", pool=True)
