@@ -1,12 +1,14 @@
 """Issue 16's bars, paired per example, from `cachetune eval` progress files (resumable runs' JSONL).
 
-The default selection at the bars' ratio against every other method (at that ratio where it has
-one), on the examples both ran: mean KL to full recompute, the mean per-example KL difference with
+The default selection (or, with --subject candidate, the candidate for the default: 6 signal
+layers) at the bars' ratio against every other method (at that ratio where it has one), on the
+examples both ran: mean KL to full recompute, the mean per-example KL difference with
 its 95% bootstrap interval and the examples each wins, top-1 agreement with full recompute along
 its answer (per-example means, the paired difference's interval), F1 over full recompute's, and TTFT as the
 geometric mean of per-example ratios to `first` (issue 4's selection; eval.report.paired_comparison).
 
     python scripts/bars.py results/smollm2/frontier/eval_*.progress.jsonl [--limit N] [--md OUT.md]
+                           [--subject default|candidate]
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from cachetune.eval.report import paired_comparison
 RATIO = 0.15
 FIRST = "cachetune:first:allocation=proportional:signal=none"
 DEFAULT = "cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=4:signal_tokens=4"
-OTHERS = ("epic", "cacheblend", "prophetkv", FIRST, "full_reuse", "c2kv", "kvlink", "block_attention")
-SHORT = {FIRST: "first", DEFAULT: "default"}
+CANDIDATE = "cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=6:signal_tokens=4"
+SUBJECTS = {"default": DEFAULT, "candidate": CANDIDATE}
+OTHERS = ("epic", "cacheblend", "prophetkv", FIRST, DEFAULT, CANDIDATE, "full_reuse", "c2kv", "kvlink",
+          "block_attention")
+SHORT = {FIRST: "first", DEFAULT: "default", CANDIDATE: "6 layers"}
 
 
 def load_records(path: Path, limit: int | None = None) -> list[dict]:
@@ -53,15 +58,19 @@ def machines(records: list[dict], label: str) -> str:
     return ", ".join(f"{device} ({n})" for device, n in counts.most_common())
 
 
-def table(path: Path, limit: int | None = None) -> str:
+def table(path: Path, limit: int | None = None, subject: str = "default") -> str:
     records = load_records(path, limit)
-    default, first = at_ratio(records, DEFAULT), at_ratio(records, FIRST)
-    out = [f"{path}: {len(records)} examples, r = {RATIO:g}; the default timed on {machines(records, default)}", "",
-           "| vs | n | KL default | KL it | diff (95% CI) | wins default / it | top-1 default / it, diff (95% CI) "
-           "| F1/full default (95% CI) | F1/full it (95% CI) | TTFT/first default (95% CI) | TTFT/first it |",
+    name = SUBJECTS[subject]
+    mine, first = at_ratio(records, name), at_ratio(records, FIRST)
+    s = SHORT[name]
+    out = [f"{path}: {len(records)} examples, r = {RATIO:g}; {s} timed on {machines(records, mine)}", "",
+           f"| vs | n | KL {s} | KL it | diff (95% CI) | wins {s} / it | top-1 {s} / it, diff (95% CI) "
+           f"| F1/full {s} (95% CI) | F1/full it (95% CI) | TTFT/first {s} (95% CI) | TTFT/first it |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for method in OTHERS:
-        c = paired_comparison(records, default, at_ratio(records, method), first)
+        if method == name:
+            continue
+        c = paired_comparison(records, mine, at_ratio(records, method), first)
         if c is None:
             continue
         q, qo, (lo, hi), (tlo, thi) = (c["quality_vs_full"], c["other_quality_vs_full"], c["kl_diff_ci"],
@@ -82,8 +91,10 @@ def main() -> None:
     parser.add_argument("progress", nargs="+", type=Path, help="eval progress files (*.progress.jsonl)")
     parser.add_argument("--limit", type=int, help="only each file's first N examples (what fewer examples said)")
     parser.add_argument("--md", type=Path, help="also write the tables here")
+    parser.add_argument("--subject", choices=sorted(SUBJECTS), default="default",
+                        help="whose bars: the default selection's, or the candidate's for the default")
     args = parser.parse_args()
-    text = "\n\n".join(table(p, args.limit) for p in args.progress) + "\n"
+    text = "\n\n".join(table(p, args.limit, args.subject) for p in args.progress) + "\n"
     print(text)
     if args.md:
         args.md.write_text(text)

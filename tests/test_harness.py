@@ -217,6 +217,16 @@ def test_paired_comparison_pairs_examples_and_takes_per_example_timing_ratios():
     assert paired_comparison(records, "fast", "missing", "base") is None
 
 
+def test_paired_comparison_times_a_variant_added_on_resume_against_its_own_pass():
+    records = [_record("d", i, [100.0], [40.0]) for i in range(2)]
+    for r in records:
+        r["methods"]["base"] = {**r["methods"]["fast"], "ttft_ms": [20.0]}
+        # added in a slower pass: twice its reference there, as fast is twice base in the first pass
+        r["methods"]["added"] = {**r["methods"]["fast"], "ttft_ms": [100.0], "full_ttft_ms": [250.0]}
+    c = paired_comparison(records, "added", "fast", "base")
+    assert c["ttft_vs_base"] == pytest.approx(2.0) and c["other_ttft_vs_base"] == pytest.approx(2.0)
+
+
 def test_sweep_examples_keep_only_the_main_ratio_past_the_first_examples():
     cfg = EvalConfig(methods=["full_reuse", "cachetune"], ratio=0.15, ratios=(0.1, 0.15), sweep_examples=2)
     variants = cfg.variants()
@@ -269,6 +279,22 @@ def test_bars_script_reads_an_example_once_with_its_last_record_and_skips_a_torn
     timed = [{"methods": {"m": {"device": "cpu:B:2t"}}}, {"methods": {"m": {}}}, {"methods": {"n": {}}},
              {"methods": {"m": {"device": "cpu:A:2t"}}}, {"methods": {"m": {"device": "cpu:A:2t"}}}]
     assert bars.machines(timed, "m") == "cpu:A:2t (2), cpu:B:2t (1), unrecorded (1)"
+
+
+def test_bars_script_compares_the_chosen_subject_with_every_other_method_it_finds(tmp_path):
+    bars = _script("bars")
+    records = [_record("d", i, [100.0], [50.0]) for i in range(2)]
+    for i, r in enumerate(records):
+        fast = r["methods"].pop("fast")
+        r["methods"].update({bars.FIRST: fast, bars.DEFAULT: {**fast, "kl": 0.3},
+                             bars.CANDIDATE: {**fast, "kl": 0.1 + 0.1 * i}, "epic": {**fast, "kl": 0.25}})
+    path = tmp_path / "p.progress.jsonl"
+    path.write_text("".join(json.dumps({"key": {}, "record": r}) + "\n" for r in records))
+    table = bars.table(path, subject="candidate")
+    assert "| KL 6 layers | KL it |" in table and "| 6 layers |" not in table
+    assert "| default | 2 | 0.1500 | 0.3000 | -0.1500" in table and "| 2 / 0 |" in table
+    assert "| epic | 2 | 0.1500 | 0.2500 |" in table and "| first | 2 |" in table
+    assert "| 6 layers | 2 | 0.3000 | 0.1500 | +0.1500" in bars.table(path)  # the default's bars
 
 
 def test_selection_kl_summary_is_relative_to_the_named_baseline_and_names_the_variants_when_it_is_missing(tmp_path):

@@ -95,8 +95,11 @@ def paired_comparison(records: list[dict], method: str, other: str, timing_base:
     resampled), and how many examples each wins; top1: each one's mean per-example share of answer
     positions whose argmax agrees with full recompute's, and the paired difference with its interval;
     quality: each one's mean over full recompute's (paired_ratio); ttft: the geometric mean of
-    per-example median-TTFT ratios to `timing_base`, with an interval for `method`'s. A per-example ratio pairs two requests on the same prompt, so
-    one long prompt does not weigh more than the rest.
+    per-example median-TTFT ratios to `timing_base`, with an interval for `method`'s. A per-example
+    ratio pairs two requests on the same prompt, so one long prompt does not weigh more than the
+    rest; a variant added to a resumed example was timed in another pass, so each side is first
+    taken over the full recompute timed in its own pass (`full_ttft_ms`), which cancels when both
+    ran in one pass.
     """
     names = (method, other, timing_base, FULL_RECOMPUTE)
     have = [r for r in records if all(n in r["methods"] for n in names)]
@@ -107,8 +110,11 @@ def paired_comparison(records: list[dict], method: str, other: str, timing_base:
     top1_a, top1_b = (np.array([statistics.fmean(x["top1"]) for x in per]) for per in (a, b))
     full_scores = [x["score"] for x in full]
 
+    def over_own_full(x: dict, f: dict) -> float:
+        return statistics.median(x["ttft_ms"]) / statistics.median(x.get("full_ttft_ms", f["ttft_ms"]))
+
     def log_ttft(per: list[dict]) -> np.ndarray:
-        return np.log([statistics.median(x["ttft_ms"]) / statistics.median(y["ttft_ms"]) for x, y in zip(per, base)])
+        return np.log([over_own_full(x, f) / over_own_full(y, f) for x, y, f in zip(per, base, full)])
 
     log_a = log_ttft(a)
     return {
