@@ -5,11 +5,15 @@ so many variants fit in one run) and its time to first token measured once per e
 run as every other variant. Resumable: rows already in the output file are skipped.
 
     python scripts/selection_kl.py --data hotpotqa_heldout --limit 12 [--skip N] --variants FILE --out OUT.jsonl
-    python scripts/selection_kl.py --summary OUT.jsonl [...] [--baseline VARIANT] [--pool]
+    python scripts/selection_kl.py --summary OUT.jsonl [...] [--baseline VARIANT] [--pool] [--only VARIANT ...]
 
 --summary also reads `cachetune eval` progress files (the same KL: teacher-forced on full
 recompute's greedy answer), each method at --ratio, so a frontier run's examples and this script's
-can be compared, or with --pool read as one sample (their examples must not overlap).
+can be compared, or with --pool read as one sample. Pooled files may share examples: an example's
+variants are then joined across them (the KL of a variant on an example is deterministic, so one
+that two files both ran must agree, or the files were run with other settings and are refused).
+TTFT is compared as each row's ratio to the full recompute timed with it, which is the plain ratio
+within one run and stays fair across runs.
 
 FILE holds one method spec per line ("cachetune:first:allocation=starts:signal=question", ...);
 plain "cachetune" is each chunk's top r by the `first` ranking alone (what the default was before).
@@ -85,24 +89,33 @@ def read_rows(path: str | Path, ratio: float) -> list[dict]:
             rows.append(item)
             continue
         record = item["record"]
-        full_ms = record["methods"][FULL_RECOMPUTE]["ttft_ms"][0]
+        full_ms = record["methods"][FULL_RECOMPUTE]["ttft_ms"]
         for label, m in record["methods"].items():
             name, _, at = label.partition("@")
             if label == FULL_RECOMPUTE or "kl" not in m or (at and float(at) != ratio):
                 continue
-            rows.append({"id": record["id"], "variant": name, "kl": m["kl"], "ttft": m["ttft_ms"][0],
-                         "full_ttft": m.get("full_ttft_ms", full_ms), "share": m["recomputed_share"],
-                         "prompt": record["prompt_tokens"]})
+            # A variant added to a resumed example carries the full recompute timed in its pass.
+            rows.append({"id": record["id"], "variant": name, "kl": m["kl"],
+                         "ttft": statistics.median(m["ttft_ms"]),
+                         "full_ttft": statistics.median(m.get("full_ttft_ms", full_ms)),
+                         "share": m["recomputed_share"], "prompt": record["prompt_tokens"]})
     return rows
 
 
+def over_full(row: dict) -> float:
+    """The row's TTFT over the full recompute timed in its own run."""
+    return row["ttft"] / row["full_ttft"]
+
+
 def summary(paths: list[str], baseline: str = "cachetune", ratio: float = EngineConfig.ratio,
-            pool: bool = False) -> str:
-    """Markdown: per file (or, with `pool`, for all files as one sample), on the examples every
-    variant has, each variant's mean KL; its paired difference to `baseline` (mean per-example
-    KL(variant) - KL(baseline), 95% bootstrap interval) and the examples each of the two has the
-    lower KL on (Qwen's KL is heavy-tailed, so the counts say what a mean may hide); and its mean
-    per-example TTFT ratio to `baseline` (both timed in the same run)."""
+            pool: bool = False, only: list[str] | None = None) -> str:
+    """Markdown: per file (or, with `pool`, for all files as one sample, an example's variants
+    joined across files), on the examples every shown variant has, each variant's mean KL; its
+    paired difference to `baseline` (mean per-example KL(variant) - KL(baseline), 95% bootstrap
+    interval) and the examples each of the two has the lower KL on (Qwen's KL is heavy-tailed, so
+    the counts say what a mean may hide); and its mean per-example TTFT ratio to `baseline`, each
+    over the full recompute timed in its own run. Shown: `only` and the baseline where given, else
+    the variants every file has."""
     groups = {" + ".join(paths): paths} if pool else {p: [p] for p in paths}
     parts = []
     for name, files in groups.items():
@@ -110,14 +123,23 @@ def summary(paths: list[str], baseline: str = "cachetune", ratio: float = Engine
         in_files: dict[str, set[int]] = defaultdict(set)
         for n, path in enumerate(files):
             for row in read_rows(path, ratio):
-                if row["id"] in by[row["variant"]] and n not in in_files[row["variant"]]:
-                    raise SystemExit(f"--pool: {row['id']} is in more than one file")
-                by[row["variant"]][row["id"]] = row
+                seen = by[row["variant"]].get(row["id"])
                 in_files[row["variant"]].add(n)
+                if seen is not None and seen["file"] != n:
+                    if abs(seen["kl"] - row["kl"]) > 1e-6 * max(1.0, abs(seen["kl"])):
+                        raise SystemExit(f"--pool: {row['variant']} on {row['id']} has KL {seen['kl']:.6f} in one "
+                                         f"file and {row['kl']:.6f} in {path}: runs with other settings")
+                    continue  # the same example in another file: the first file's row stands
+                by[row["variant"]][row["id"]] = {**row, "file": n}  # in one file, the last row wins
         if baseline not in by:
             raise SystemExit(f"{name}: no rows of the baseline {baseline!r} (--baseline names one of: {', '.join(by)})")
-        # The variants every file has, on the examples all of them have: every row, one sample.
-        variants = {v: rows for v, rows in by.items() if len(in_files[v]) == len(files)}
+        if only:
+            missing = [v for v in only if v not in by]
+            if missing:
+                raise SystemExit(f"{name}: no rows of {', '.join(missing)} (--only names some of: {', '.join(by)})")
+            variants = {v: by[v] for v in dict.fromkeys([baseline, *only])}
+        else:  # the variants every file has, on the examples all of them have
+            variants = {v: rows for v, rows in by.items() if len(in_files[v]) == len(files)}
         ids = set.intersection(*(set(rows) for rows in variants.values()))
         base = by[baseline]
         parts += [f"{name}: {len(ids)} examples, ~{statistics.fmean(base[i]['prompt'] for i in ids):.0f} prompt tokens",
@@ -129,7 +151,7 @@ def summary(paths: list[str], baseline: str = "cachetune", ratio: float = Engine
             diffs = [rows[i]["kl"] - base[i]["kl"] for i in order]
             lo, hi = bootstrap_mean(diffs)
             wins = f"{sum(d < 0 for d in diffs)} / {sum(d > 0 for d in diffs)}"
-            rel = statistics.fmean(rows[i]["ttft"] / base[i]["ttft"] for i in ids)
+            rel = statistics.fmean(over_full(rows[i]) / over_full(base[i]) for i in ids)
             share = statistics.fmean(rows[i]["share"] for i in ids)
             parts.append(f"| {variant} | {kl:.4f} | {statistics.fmean(diffs):+.4f} ({lo:+.4f}, {hi:+.4f}) | {wins} "
                          f"| {rel:.2f} | {share:.3f} |")
@@ -150,9 +172,10 @@ def main() -> None:
     p.add_argument("--summary", nargs="+", help="print the tables of these output files instead of running")
     p.add_argument("--baseline", default="cachetune", help="--summary: the variant TTFT is relative to")
     p.add_argument("--pool", action="store_true", help="--summary: all files as one sample")
+    p.add_argument("--only", nargs="+", help="--summary: show these variants (and the baseline) only")
     args = p.parse_args()
     if args.summary:
-        print(summary(args.summary, args.baseline, args.ratio, args.pool))
+        print(summary(args.summary, args.baseline, args.ratio, args.pool, args.only))
     else:
         run(args)
 

@@ -304,11 +304,11 @@ def test_selection_kl_summary_is_relative_to_the_named_baseline_and_names_the_va
     import pytest
 
     selection_kl = _script("selection_kl")
-    rows = [{"id": "a", "variant": "p", "kl": 0.2, "ttft": 10.0, "share": 0.15, "prompt": 100},
-            {"id": "a", "variant": "q", "kl": 0.1, "ttft": 20.0, "share": 0.15, "prompt": 100},
-            {"id": "b", "variant": "p", "kl": 0.4, "ttft": 10.0, "share": 0.15, "prompt": 300},
-            {"id": "b", "variant": "q", "kl": 0.3, "ttft": 40.0, "share": 0.15, "prompt": 300},
-            {"id": "c", "variant": "p", "kl": 9.0, "ttft": 1.0, "share": 0.15, "prompt": 900}]  # q lacks c
+    rows = [{"id": "a", "variant": "p", "kl": 0.2, "ttft": 10.0, "full_ttft": 50.0, "share": 0.15, "prompt": 100},
+            {"id": "a", "variant": "q", "kl": 0.1, "ttft": 20.0, "full_ttft": 50.0, "share": 0.15, "prompt": 100},
+            {"id": "b", "variant": "p", "kl": 0.4, "ttft": 10.0, "full_ttft": 50.0, "share": 0.15, "prompt": 300},
+            {"id": "b", "variant": "q", "kl": 0.3, "ttft": 40.0, "full_ttft": 50.0, "share": 0.15, "prompt": 300},
+            {"id": "c", "variant": "p", "kl": 9.0, "ttft": 1.0, "full_ttft": 50.0, "share": 0.15, "prompt": 900}]  # q lacks c
     path = tmp_path / "out.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     table = selection_kl.summary([str(path)], baseline="p")
@@ -322,7 +322,9 @@ def test_selection_kl_summary_is_relative_to_the_named_baseline_and_names_the_va
 def test_selection_kl_summary_pools_an_eval_progress_file_with_its_own_rows_at_the_ratio(tmp_path):
     """--summary --pool: a `cachetune eval` progress file's methods at --ratio (swept labels
     "<m>@<r>" read as "<m>", other ratios left out) join this script's rows as one sample, over the
-    variants both files have; an example in both files is an error, not a double count."""
+    variants both files have; an example in two files is joined, never counted twice, and refused
+    where the two disagree on a KL; --only picks variants that not every file has, and each TTFT is
+    taken over the full recompute timed in its own run."""
     import pytest
 
     selection_kl = _script("selection_kl")
@@ -335,13 +337,28 @@ def test_selection_kl_summary_pools_an_eval_progress_file_with_its_own_rows_at_t
         "q@0.15": method(0.2, 30.0), "only_here": method(0.0, 1.0)}}
     progress = tmp_path / "eval.progress.jsonl"
     progress.write_text(json.dumps({"key": {}, "record": record}) + "\n" + '{"torn')
-    rows = [{"id": "e2", "variant": v, "kl": kl, "ttft": 10.0, "share": 0.15, "prompt": 100}
-            for v, kl in (("p", 0.3), ("q", 0.4))]
-    own = tmp_path / "own.jsonl"
-    own.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    table = selection_kl.summary([str(progress), str(own)], baseline="p", ratio=0.15, pool=True)
+
+    def write(name, rows):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"share": 0.15, "prompt": 100, **r}) + "\n" for r in rows))
+        return str(path)
+
+    own = write("own.jsonl", [{"id": "e2", "variant": v, "kl": kl, "ttft": 10.0, "full_ttft": 100.0}
+                              for v, kl in (("p", 0.3), ("q", 0.4))])
+    table = selection_kl.summary([str(progress), own], baseline="p", ratio=0.15, pool=True)
     assert "2 examples, ~300 prompt tokens" in table
     assert "| q | 0.3000 | -0.1000 (-0.3000, +0.1000) | 1 / 1 | 2.00 | 0.150 |" in table
     assert "only_here" not in table
-    with pytest.raises(SystemExit, match="e2 is in more than one file"):
-        selection_kl.summary([str(own), str(own)], baseline="p", pool=True)
+    pooled_twice = selection_kl.summary([own, own], baseline="p", pool=True)
+    assert pooled_twice.splitlines()[1:] == selection_kl.summary([own], baseline="p").splitlines()[1:]
+    # r ran in a slower run on both examples, twice p's share of its own full recompute
+    later = write("later.jsonl", [{"id": e, "variant": "r", "kl": 0.1, "ttft": 40.0, "full_ttft": 200.0}
+                                  for e in ("e1", "e2")] + [{"id": "e2", "variant": "p", "kl": 0.3, "ttft": 1.0,
+                                                             "full_ttft": 1.0}])
+    table = selection_kl.summary([str(progress), own, later], baseline="p", pool=True, only=["r"])
+    assert "| r | 0.1000 | -0.3000 (-0.4000, -0.2000) | 2 / 0 | 2.00 | 0.150 |" in table and "| q |" not in table
+    other = write("other.jsonl", [{"id": "e2", "variant": "p", "kl": 0.35, "ttft": 1.0, "full_ttft": 1.0}])
+    with pytest.raises(SystemExit, match="p on e2 has KL 0.300000 in one file and 0.350000"):
+        selection_kl.summary([own, other], baseline="p", pool=True)
+    with pytest.raises(SystemExit, match="no rows of s"):
+        selection_kl.summary([own], baseline="p", only=["s"])
