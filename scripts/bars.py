@@ -1,14 +1,14 @@
 """Issue 16's bars, paired per example, from `cachetune eval` progress files (resumable runs' JSONL).
 
-The default selection (or, with --subject candidate, the candidate for the default: 6 signal
-layers) at the bars' ratio against every other method (at that ratio where it has one), on the
+The default selection (or, with --subject, a candidate for the default: `layers6`, the question
+read over 6 layers; `starts`, its chunk starts alone) at the bars' ratio against every other method (at that ratio where it has one), on the
 examples both ran: mean KL to full recompute, the mean per-example KL difference with
 its 95% bootstrap interval and the examples each wins, top-1 agreement with full recompute along
 its answer (per-example means, the paired difference's interval), F1 over full recompute's, and TTFT as the
 geometric mean of per-example ratios to `first` (issue 4's selection; eval.report.paired_comparison).
 
     python scripts/bars.py results/smollm2/frontier/eval_*.progress.jsonl [--limit N] [--md OUT.md]
-                           [--subject default|candidate]
+                           [--subject default|layers6|starts]
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from cachetune.eval.report import paired_comparison
 RATIO = 0.15
 FIRST = "cachetune:first:allocation=proportional:signal=none"
 DEFAULT = "cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=4:signal_tokens=4"
-CANDIDATE = "cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=6:signal_tokens=4"
-SUBJECTS = {"default": DEFAULT, "candidate": CANDIDATE}
-OTHERS = ("epic", "cacheblend", "prophetkv", FIRST, DEFAULT, CANDIDATE, "full_reuse", "c2kv", "kvlink",
+LAYERS6 = "cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=6:signal_tokens=4"
+STARTS = "cachetune:first:allocation=spread:start_share=0.75:signal=none"
+SUBJECTS = {"default": DEFAULT, "layers6": LAYERS6, "starts": STARTS}
+OTHERS = ("epic", "cacheblend", "prophetkv", FIRST, DEFAULT, LAYERS6, STARTS, "full_reuse", "c2kv", "kvlink",
           "block_attention")
-SHORT = {FIRST: "first", DEFAULT: "default", CANDIDATE: "6 layers"}
+SHORT = {FIRST: "first", DEFAULT: "default", LAYERS6: "6 layers", STARTS: "starts alone"}
 
 
 def load_records(path: Path, limit: int | None = None) -> list[dict]:
@@ -92,7 +93,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, help="only each file's first N examples (what fewer examples said)")
     parser.add_argument("--md", type=Path, help="also write the tables here")
     parser.add_argument("--subject", choices=sorted(SUBJECTS), default="default",
-                        help="whose bars: the default selection's, or the candidate's for the default")
+                        help="whose bars: the default selection's, or a candidate's for the default")
     args = parser.parse_args()
     text = "\n\n".join(table(p, args.limit, args.subject) for p in args.progress) + "\n"
     print(text)

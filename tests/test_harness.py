@@ -287,10 +287,10 @@ def test_bars_script_compares_the_chosen_subject_with_every_other_method_it_find
     for i, r in enumerate(records):
         fast = r["methods"].pop("fast")
         r["methods"].update({bars.FIRST: fast, bars.DEFAULT: {**fast, "kl": 0.3},
-                             bars.CANDIDATE: {**fast, "kl": 0.1 + 0.1 * i}, "epic": {**fast, "kl": 0.25}})
+                             bars.LAYERS6: {**fast, "kl": 0.1 + 0.1 * i}, "epic": {**fast, "kl": 0.25}})
     path = tmp_path / "p.progress.jsonl"
     path.write_text("".join(json.dumps({"key": {}, "record": r}) + "\n" for r in records))
-    table = bars.table(path, subject="candidate")
+    table = bars.table(path, subject="layers6")
     assert "| KL 6 layers | KL it |" in table and "| 6 layers |" not in table
     assert "| default | 2 | 0.1500 | 0.3000 | -0.1500" in table and "| 2 / 0 |" in table
     assert "| epic | 2 | 0.1500 | 0.2500 |" in table and "| first | 2 |" in table
