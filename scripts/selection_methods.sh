@@ -1,0 +1,11 @@
+# Issue 16's methods, named in full so that a later change of the defaults does not change what a
+# resumed run measures (sourced by scripts/frontier.sh and scripts/gpu_check.sh).
+# FIRST: issue 4's default, each chunk's first r. DEFAULT: issue 16's, chunk starts, then up to 4
+# tokens per chunk where the question attends in the first 4 layers. The candidates to replace it:
+# CANDIDATE, the same over 6 layers; STARTS, its chunk starts alone, without the question's pass.
+FIRST=cachetune:first:allocation=proportional:signal=none
+DEFAULT=cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=4:signal_tokens=4
+CANDIDATE=cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=6:signal_tokens=4
+STARTS=cachetune:first:allocation=spread:start_share=0.75:signal=none
+# The methods the first bar orders, and the reference points beside them.
+BAR_METHODS=full_reuse,epic,cacheblend,prophetkv,$FIRST,$DEFAULT,$CANDIDATE,$STARTS
