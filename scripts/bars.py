@@ -27,10 +27,21 @@ from cachetune.eval.report import paired_comparison
 from cachetune.methods.full_recompute import FULL_RECOMPUTE
 
 RATIO = 0.15
-FIRST = "cachetune:first:allocation=proportional:signal=none"
-DEFAULT = "cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=4:signal_tokens=4"
-LAYERS6 = "cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=6:signal_tokens=4"
-STARTS = "cachetune:first:allocation=spread:start_share=0.75:signal=none"
+
+
+def method_names(path: Path = Path(__file__).with_name("selection_methods.sh")) -> dict[str, str]:
+    """The methods named in full in scripts/selection_methods.sh (the one list the frontier and the
+    GPU check source): its plain NAME=value lines, those that expand no other name."""
+    names = {}
+    for line in path.read_text().splitlines():
+        name, sep, value = line.partition("=")
+        if sep and name.isidentifier() and "$" not in value:
+            names[name] = value.strip()
+    return names
+
+
+_NAMES = method_names()
+FIRST, DEFAULT, LAYERS6, STARTS = (_NAMES[n] for n in ("FIRST", "DEFAULT", "CANDIDATE", "STARTS"))
 SUBJECTS = {"default": DEFAULT, "layers6": LAYERS6, "starts": STARTS}
 OTHERS = ("epic", "cacheblend", "prophetkv", FIRST, DEFAULT, LAYERS6, STARTS, "full_reuse", "c2kv", "kvlink",
           "block_attention")
