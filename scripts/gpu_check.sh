@@ -9,7 +9,9 @@
 #   step 2 (carry .gpu/b, machine still warm): SmolLM2 reassembled; issue 16's bar methods at r = 0.15
 #           on the three QA sets with the engine on the GPU (float32, as the CPU frontier, so KL can be
 #           compared example by example), each set for at most SET_SECONDS; REAL=1 adds the real-model
-#           tests. The reports come back as $OUT/gpu_selection.tar.gz.
+#           tests. The reports come back as $OUT/gpu_selection.tar.gz. VARIANTS=FILE instead compares
+#           that file's selections by KL alone (scripts/selection_kl.py, no answers decoded) on each
+#           set's rows SKIP..LIMIT, into $OUT/kl_<set>.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_out}
@@ -36,6 +38,12 @@ case "${1:-}" in
     export CACHETUNE_DATA_DIR=$PWD/.gpu/data
     source scripts/selection_methods.sh
     for set in ${SETS:-hotpotqa_heldout musique 2wikimqa}; do
+        if [ -n "${VARIANTS:-}" ]; then
+            timeout "${SET_SECONDS:-130}" python3 scripts/selection_kl.py --data "$set" --limit "${LIMIT:-100}" \
+                --skip "${SKIP:-0}" --variants "$VARIANTS" --out "$OUT/kl_$set.jsonl" 2>&1 | tr '\r' '\n' \
+                | grep -v "it/s\]$" | tail -3 | tee -a "$OUT/kl.log"
+            continue
+        fi
         report=/tmp/gpu_selection/eval_$set.json
         timeout "${SET_SECONDS:-130}" "${CT[@]}" eval --device "$DEVICE" --dtype float32 --data "$set" \
             --limit "${LIMIT:-100}" --ratios 0.15 --repeats 2 --methods "$BAR_METHODS" --json "$report" \
@@ -46,7 +54,7 @@ case "${1:-}" in
             --limit "$done_rows" --ratios 0.15 --repeats 2 --methods "$BAR_METHODS" --json "$report" 2>&1 \
             | tr '\r' '\n' | grep -v "^eval: .*request/s" | tail -3 | tee -a "$OUT/eval.log"
     done
-    tar -czf "$OUT/gpu_selection.tar.gz" -C /tmp gpu_selection
+    [ -n "${VARIANTS:-}" ] || tar -czf "$OUT/gpu_selection.tar.gz" -C /tmp gpu_selection
     if [ "${REAL:-0}" = 1 ]; then
         timeout 150 python3 -m pytest -q -p no:cacheprovider -m real_model tests 2>&1 | tee "$OUT/pytest_real.log"
     fi

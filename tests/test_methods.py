@@ -108,7 +108,8 @@ SELECTION_VARIANTS = ["cachetune:first:allocation=equal", "cachetune:first:alloc
                       "cachetune:first:allocation=global:signal=question:signal_layers=1",
                       "cachetune:first:allocation=starts:signal=deviation",
                       "cachetune:first:allocation=spread:signal=question:decay=1",
-                      "cachetune:first:allocation=spread:signal=question:signal_tokens=2"]
+                      "cachetune:first:allocation=spread:signal=question:signal_tokens=2",
+                      "cachetune:first:allocation=spread:signal=question:signal_max_chunk=36"]
 
 
 @pytest.mark.parametrize("name", SELECTION_VARIANTS)
@@ -161,6 +162,41 @@ def test_decay_weighs_the_signal_down_with_the_position_in_its_chunk(llama):
     with pytest.raises(ValueError, match="signal_tokens"):
         make_method("cachetune:first:allocation=spread:signal=question:signal_tokens=-1")
     assert make_method("cachetune:first:signal=question:signal_tokens=none").settings.signal_tokens is None
+
+
+@pytest.mark.parametrize("signal", ["question", "deviation"])
+@pytest.mark.parametrize("allocation", ["spread", "proportional"])
+def test_signal_max_chunk_leaves_longer_chunks_to_their_offline_ranking(llama, signal, allocation):
+    """A chunk longer than signal_max_chunk is picked as without a signal, a shorter one as with it."""
+    _, adapter = llama
+    layout, _ = build_layout(adapter, _parts(chunks=(40, 10, 50, 24)))
+    base = f"cachetune:first:allocation={allocation}:start_share=0.5:signal_tokens=none"
+    alone = _select(f"{base}:signal=none", adapter, layout, 0.3)
+    signalled = _select(f"{base}:signal={signal}", adapter, layout, 0.3)
+    lengths = [seg.chunk.num_tokens for _, seg in layout.chunk_segments]
+    for short in (True, False):  # the signal moves picks in short and in long chunks
+        assert any(a.tolist() != s.tolist() for n, a, s in zip(lengths, alone, signalled) if (n <= 24) == short)
+    limited = _select(f"{base}:signal={signal}:signal_max_chunk=24", adapter, layout, 0.3)
+    for n, got, a, s in zip(lengths, limited, alone, signalled):
+        assert got.tolist() == (s if n <= 24 else a).tolist(), n
+
+
+def test_a_request_without_a_short_enough_chunk_skips_the_signal_pass(llama):
+    _, adapter = llama
+    layout, _ = build_layout(adapter, _parts(chunks=(40, 33, 50)))
+    base = "cachetune:first:allocation=spread:start_share=0.75"
+    selector = make_method(f"{base}:signal=question:signal_max_chunk=32").selector
+    selections, prefilled = selector.choose(_request(adapter, layout), 0.15)
+    assert prefilled is None
+    alone = _select(f"{base}:signal=none", adapter, layout, 0.15)
+    assert [s.tolist() for s in selections] == [a.tolist() for a in alone]
+    # one chunk short enough: the question's pass runs, and the prefill continues from it
+    _, prefilled = make_method(f"{base}:signal=question:signal_max_chunk=33").selector.choose(
+        _request(adapter, layout), 0.15)
+    assert prefilled is not None
+    with pytest.raises(ValueError, match="signal_max_chunk"):
+        make_method(f"{base}:signal=question:signal_max_chunk=-1")
+    assert make_method(f"{base}:signal=question:signal_max_chunk=none").settings.signal_max_chunk is None
 
 
 def test_deviation_signal_on_candidates_equals_cacheblend_layer_one_deviation(llama):

@@ -32,6 +32,7 @@ import torch
 from cachetune.config import ALLOCATIONS
 START_SHARE = 0.75  # the `starts` allocation's share of the budget spent on chunk starts (issue 16)
 SIGNAL_TOKENS = 4   # `spread`: at most this many of a chunk's tokens picked by the signal (issue 16)
+PER_CHUNK = ("proportional", "equal", "spread")  # allocations whose signal picks within each chunk's own share
 
 
 def request_budget(lengths: list[int], ratio: float) -> int:

@@ -9,8 +9,8 @@ import torch
 
 from cachetune.chunks.rankers import get_ranker
 from cachetune.config import SIGNALS, EngineConfig
-from cachetune.methods.allocation import (ALLOCATIONS, SIGNAL_TOKENS, START_SHARE, allocate, request_budget,
-                                         start_count, starts)
+from cachetune.methods.allocation import (ALLOCATIONS, PER_CHUNK, SIGNAL_TOKENS, START_SHARE, allocate,
+                                         request_budget, start_count, starts)
 from cachetune.methods.base import Method, NoSettings, RatioSettings, check_int, check_ratio, register
 from cachetune.methods.prefill import Prefilled
 from cachetune.methods.selector import SelectionRequest, SelectiveMethod, TokenSelector
@@ -31,7 +31,10 @@ class RankedSelector(TokenSelector):
     CacheBlend's layer-1 value deviation of the tokens the starts leave (methods.signals). Under
     `spread` the signal picks at most `signal_tokens` per chunk (None: no cap) and the rest of the
     chunk's share continues its starts; `decay` weighs the question's scores down with the in-chunk
-    position. `ranker` None: the engine's default.
+    position. `signal_max_chunk`: under a per-chunk allocation (PER_CHUNK), the signal picks only in
+    chunks of at most this many tokens; a longer chunk's share goes by its offline ranking, and a
+    request with no such chunk skips the signal's pass (None: every chunk). `ranker` None: the
+    engine's default.
     """
 
     reads_ranking = True
@@ -39,11 +42,11 @@ class RankedSelector(TokenSelector):
     def __init__(self, name: str = "cachetune", ranker: str | None = None, drops_unselected: bool = False,
                  allocation: str = "proportional", start_share: float = START_SHARE, signal: str | None = None,
                  signal_layers: int = SIGNAL_LAYERS, decay: float = 0.0,
-                 signal_tokens: int | None = SIGNAL_TOKENS):
+                 signal_tokens: int | None = SIGNAL_TOKENS, signal_max_chunk: int | None = None):
         self.name, self.ranker, self.drops_unselected = name, ranker, drops_unselected
         self.allocation, self.start_share = allocation, start_share
         self.signal, self.signal_layers, self.decay = signal, signal_layers, decay
-        self.signal_tokens = signal_tokens
+        self.signal_tokens, self.signal_max_chunk = signal_tokens, signal_max_chunk
 
     def select(self, request: SelectionRequest, ratio: float) -> list[torch.Tensor]:
         return self.choose(request, ratio)[0]
@@ -54,6 +57,9 @@ class RankedSelector(TokenSelector):
             comparable = request.rankings.ranker(self.ranker).global_budget
             allocation = "global" if comparable and self.allocation == "proportional" else self.allocation
             return allocate(offline, ratio, allocation, comparable, self.start_share), None
+        signalled = self.signalled([s.numel() for s in offline])
+        if not any(signalled):  # every chunk goes by its offline ranking: no pass to pay for
+            return allocate(offline, ratio, self.allocation, False, self.start_share), None
         prefilled = None
         if self.signal == "question":  # the pass's first layers are kept: the prefill does not load them again
             scores, prefilled = question_attention(request.adapter, request.layout, self.signal_layers,
@@ -64,13 +70,22 @@ class RankedSelector(TokenSelector):
             budget = request_budget([s.numel() for s in offline], ratio)
             taken = starts(offline, start_count(budget, share))
             candidates = []
-            for t, s in zip(taken, offline):
+            for t, s, keep in zip(taken, offline, signalled):
                 free = torch.ones(s.numel(), dtype=torch.bool)
                 free[t] = False
-                candidates.append(free.nonzero().flatten())
+                candidates.append(free.nonzero().flatten() if keep else torch.empty(0, dtype=torch.int64))
             scores = value_deviation(request.adapter, request.layout, candidates, pipeline=request.pipeline)
+        # Per-chunk allocations fill each chunk from its own scores, so a chunk the signal skips can
+        # take its offline ones (their scale never meets the signal's).
+        scores = [s if keep else o for s, o, keep in zip(scores, offline, signalled)]
         return allocate(scores, ratio, self.allocation, True, self.start_share, ranked=offline,
                         signal_tokens=self.signal_tokens), prefilled
+
+    def signalled(self, lengths: list[int]) -> list[bool]:
+        """Which chunks (by token count) the signal may pick in."""
+        if self.signal_max_chunk is None or self.allocation not in PER_CHUNK:
+            return [True] * len(lengths)
+        return [n <= self.signal_max_chunk for n in lengths]
 
 
 class FirstTokensSelector(TokenSelector):
@@ -110,6 +125,7 @@ class RankedSettings:
     signal_layers: int = SIGNAL_LAYERS           # layers the question signal reads
     decay: float = 0.0                           # question scores x (in-chunk position + 1)^-decay
     signal_tokens: int | None = SIGNAL_TOKENS    # spread: at most this many signal picks per chunk (None: no cap)
+    signal_max_chunk: int | None = None          # the signal picks only in chunks up to this length (None: all)
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
@@ -124,6 +140,8 @@ class RankedSettings:
             raise ValueError(f"decay must be a number in [0, 4], got {self.decay!r}")
         if self.signal_tokens is not None:
             check_int("signal_tokens", self.signal_tokens, minimum=0)
+        if self.signal_max_chunk is not None:
+            check_int("signal_max_chunk", self.signal_max_chunk, minimum=0)
         if self.allocation == "global" and self.signal == "none" and not get_ranker(self.ranking).global_budget:
             raise ValueError(f"the global allocation needs an online signal or a ranking that compares across "
                              f"chunks; {self.ranking!r} ranks each chunk alone")
@@ -145,7 +163,8 @@ def _cachetune(settings: RankedSettings) -> Method:
     return SelectiveMethod(RankedSelector("cachetune", settings.ranking, allocation=settings.allocation,
                                           start_share=settings.start_share, signal=signal,
                                           signal_layers=settings.signal_layers, decay=settings.decay,
-                                          signal_tokens=settings.signal_tokens), settings)
+                                          signal_tokens=settings.signal_tokens,
+                                          signal_max_chunk=settings.signal_max_chunk), settings)
 
 
 @register("full_reuse", summary="nothing but uncached text (r = 0)")
