@@ -9,6 +9,7 @@ from cachetune.methods.allocation import (
     proportional_quotas,
     request_budget,
     starts,
+    weighted_quotas,
 )
 
 
@@ -53,7 +54,7 @@ def test_every_allocation_spends_exactly_the_request_budget():
     budget = request_budget(lengths, 0.15)
     for allocation in ("proportional", "equal", "starts"):
         assert total(allocate(offline, 0.15, allocation)) == budget
-    for allocation in ("proportional", "equal", "starts", "global"):
+    for allocation in ("proportional", "equal", "starts", "spread", "focus", "global"):
         picked = allocate(online, 0.15, allocation, comparable=True)
         assert total(picked) == budget
         for s, n in zip(picked, lengths):
@@ -124,3 +125,28 @@ def test_signal_tokens_cap_the_signal_picks_per_chunk_and_the_rest_continues_the
         == [list(range(10))] * 2  # no signal picks: each chunk's first tokens, `first` at the same budget
     with pytest.raises(ValueError, match="signal_tokens"):
         allocate(scores, 0.25, "spread", comparable=True, signal_tokens=-1)
+
+
+def test_weighted_quotas_follow_the_weights_within_each_cap():
+    assert weighted_quotas([3.0, 1.0], [100, 100], 40) == [30, 10]
+    # the first chunk can take 5 only: the rest goes to the others by their weights
+    assert weighted_quotas([10.0, 1.0, 3.0], [5, 100, 100], 25) == [5, 5, 15]
+    assert weighted_quotas([0.0, 0.0], [30, 10], 8) == [6, 2]  # no weight anywhere: by the caps
+    assert sum(weighted_quotas([1.0, 1.0, 1.0], [4, 4, 4], 2)) == 2
+    assert weighted_quotas([1.0, 2.0], [3, 3], 6) == [3, 3]
+    with pytest.raises(ValueError, match="budget"):
+        weighted_quotas([1.0], [3], 4)
+
+
+def test_focus_shares_the_rest_by_where_the_signal_falls_and_keeps_the_starts():
+    scores = [torch.full((40,), 0.001), torch.full((40,), 0.001)]
+    scores[1][30] = 1.0  # the question looks at the second chunk
+    picked = allocate(scores, 0.25, "focus", comparable=True, start_share=0.5, signal_tokens=0)
+    # budget 20: 10 on starts (5 each); the other 10 go almost all to the second chunk, as its next
+    # first tokens (signal_tokens=0: no signal picks inside it)
+    assert picked[0].tolist() == [0, 1, 2, 3, 4]
+    assert picked[1].tolist() == list(range(15))
+    with_picks = allocate(scores, 0.25, "focus", comparable=True, start_share=0.5, signal_tokens=2)
+    assert 30 in with_picks[1].tolist() and with_picks[1].tolist()[:13] == list(range(13))
+    with pytest.raises(ValueError, match="compare across chunks"):
+        allocate(positions([10, 10]), 0.5, "focus")

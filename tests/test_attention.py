@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from cachetune.runtime.attention import QUERY_BLOCK, _blocks, _dense_masked, sparse_causal_attention
+from cachetune.runtime.attention import MAX_GAP, QUERY_BLOCK, _blocks, _dense_masked, sparse_causal_attention
 
 HKV = 2
 D = 16
@@ -223,3 +223,14 @@ def test_blocks_flag_long_runs_between_scattered_tokens_as_contiguous() -> None:
     blocks = _blocks(pos)
     assert (3, 3 + len(run), True) in blocks
     assert_blocks_partition(pos)
+
+
+def test_short_runs_far_apart_are_not_grouped_and_still_match_reference() -> None:
+    # A system prompt and a question with reused context between them (a question pass): two blocks,
+    # so no query attends over the context through the masked kernel.
+    pos = list(range(0, 20)) + list(range(20 + MAX_GAP, 20 + MAX_GAP + 18))  # a gap of MAX_GAP + 1
+    assert _blocks(pos) == [(0, 20, False), (20, 38, False)]
+    near = list(range(0, 20)) + list(range(19 + MAX_GAP, 19 + MAX_GAP + 18))
+    assert _blocks(near) == [(0, 38, False)]
+    q, k, v = make_qkv(pos[-1] + 1, 3)
+    assert_matches_reference(q, k, v, torch.tensor(pos))

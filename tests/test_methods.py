@@ -109,7 +109,9 @@ SELECTION_VARIANTS = ["cachetune:first:allocation=equal", "cachetune:first:alloc
                       "cachetune:first:allocation=starts:signal=deviation",
                       "cachetune:first:allocation=spread:signal=question:decay=1",
                       "cachetune:first:allocation=spread:signal=question:signal_tokens=2",
-                      "cachetune:first:allocation=spread:signal=question:signal_max_chunk=36"]
+                      "cachetune:first:allocation=spread:signal=question:signal_max_chunk=36",
+                      "cachetune:first:allocation=focus:start_share=0.5:signal=question:signal_layers=99:signal_tokens=0",
+                      "cachetune:first:allocation=focus:signal=deviation"]
 
 
 @pytest.mark.parametrize("name", SELECTION_VARIANTS)
@@ -265,7 +267,8 @@ def test_method_names_carry_settings():
                      ("cachetune:allocation=sideways", "unknown allocation"),
                      ("cachetune:start_share=2", "start_share must be"),
                      ("cachetune:signal=psychic", "unknown signal"),
-                     ("cachetune:first:allocation=global:signal=none", "global allocation needs")]:
+                     ("cachetune:first:allocation=global:signal=none", "global allocation needs"),
+                     ("cachetune:first:allocation=focus:signal=none", "focus allocation needs")]:
         with pytest.raises(ValueError, match=why):
             make_method(bad)
 

@@ -16,6 +16,10 @@ allocation. The allocation decides how many each chunk gets and which:
   chunks are, so their attention costs what `first`'s does (an online signal's favourites sit late
   in the prompt, and a late token attends over more keys). `signal_tokens` caps the scores' picks
   per chunk; the rest of the chunk's share continues its starts;
+- `focus`: `spread`, with the remainder shared in proportion to the scores' mass in each chunk (the
+  sum of its scores over the tokens its starts leave) instead of its length: the question's
+  attention says which chunks this request needs (ProphetKV's finding), while the tokens stay each
+  chunk's starts and signal picks (scores must compare across chunks);
 - `global`: the top `budget` tokens of the whole context by scores that compare across chunks
   (CacheBlend, ProphetKV).
 
@@ -53,6 +57,33 @@ def proportional_quotas(lengths: list[int], budget: int) -> list[int]:
     exact = [budget * n / total for n in lengths]
     quotas = [int(math.floor(e)) for e in exact]
     order = sorted(range(len(lengths)), key=lambda i: (-(exact[i] - quotas[i]), i))
+    for i in order[: budget - sum(quotas)]:
+        quotas[i] += 1
+    return quotas
+
+
+def weighted_quotas(weights: list[float], caps: list[int], budget: int) -> list[int]:
+    """Counts per chunk in proportion to `weights` (negative ones count as 0), each at most its cap,
+    summing to `budget`: water-filled (a chunk whose share passes its cap keeps the cap and the others
+    share the rest by their weights), then largest remainders (ties to the earlier chunk). Chunks with
+    no weight take a share, by their caps, only when the weighted ones are full."""
+    if budget < 0 or budget > sum(caps):
+        raise ValueError(f"budget must be in [0, {sum(caps)}], got {budget}")
+    weight = [max(0.0, float(w)) for w in weights]
+    capped: set[int] = set()
+    while True:
+        free = [i for i, c in enumerate(caps) if c > 0 and i not in capped]
+        left = budget - sum(caps[i] for i in capped)
+        if free and sum(weight[i] for i in free) <= 0:  # only weightless chunks left: by their caps
+            weight = [float(c) if i in free else w for i, (c, w) in enumerate(zip(caps, weight))]
+        total = sum(weight[i] for i in free)
+        exact = {i: left * weight[i] / total if total > 0 else 0.0 for i in free}
+        over = {i for i in free if exact[i] > caps[i]}
+        if not over:
+            break
+        capped |= over
+    quotas = [caps[i] if i in capped else int(math.floor(exact[i])) if i in exact else 0 for i in range(len(caps))]
+    order = sorted(exact, key=lambda i: (-(exact[i] - quotas[i]), i))
     for i in order[: budget - sum(quotas)]:
         quotas[i] += 1
     return quotas
@@ -125,6 +156,14 @@ def global_top(scores: list[torch.Tensor], count: int, taken: list[torch.Tensor]
     return out
 
 
+def chunk_mass(scores: torch.Tensor, taken: torch.Tensor) -> float:
+    """The sum of a chunk's scores [N] over the tokens not `taken` (its starts): how much of the
+    signal falls on what the chunk has left to recompute."""
+    left = torch.ones(scores.numel(), dtype=torch.bool)
+    left[taken] = False
+    return float(scores.float().cpu()[left].clamp(min=0).sum())
+
+
 def starts(ranked: list[torch.Tensor], count: int) -> list[torch.Tensor]:
     """`count` tokens in all, the same number of every chunk's top tokens by its offline scores
     `ranked` (water-filled: a chunk shorter than its share gives the rest to the others). By
@@ -148,7 +187,7 @@ def allocate(scores: list[torch.Tensor], ratio: float, allocation: str = "propor
     scores: one [N_i] vector per chunk, higher first; `comparable`: whether they compare across
     chunks (required by `global`, and what `starts` uses for its remainder). ranked: the offline
     scores that pick the `starts` share (default: `scores` when they do not compare across chunks,
-    otherwise position). signal_tokens: under `spread`, at most this many of a chunk's tokens go by
+    otherwise position). signal_tokens: under `spread` and `focus`, at most this many of a chunk's tokens go by
     `scores` and the rest of its share continues its starts by `ranked` (None: no cap; the other
     allocations have no per-chunk signal share to cap)."""
     if allocation not in ALLOCATIONS:
@@ -166,14 +205,20 @@ def allocate(scores: list[torch.Tensor], ratio: float, allocation: str = "propor
         if not comparable:
             raise ValueError("the global allocation needs scores that compare across chunks (an online signal)")
         return global_top(scores, budget)
-    if ranked is None:  # starts / spread
+    if allocation == "focus" and not comparable:
+        raise ValueError("the focus allocation needs scores that compare across chunks (an online signal)")
+    if ranked is None:  # starts / spread / focus
         ranked = [torch.arange(n, 0, -1, dtype=torch.float32) for n in lengths] if comparable else scores
     first = starts(ranked, start_count(budget, start_share))
     left = budget - sum(t.numel() for t in first)
     if comparable and allocation == "starts":
         return global_top(scores, left, taken=first)
-    rest = proportional_quotas([n - t.numel() for n, t in zip(lengths, first)], left)
-    if signal_tokens is not None and allocation == "spread":
+    caps = [n - t.numel() for n, t in zip(lengths, first)]
+    if allocation == "focus":
+        rest = weighted_quotas([chunk_mass(s, t) for s, t in zip(scores, first)], caps, left)
+    else:
+        rest = proportional_quotas(caps, left)
+    if signal_tokens is not None and allocation in ("spread", "focus"):
         more = [max(0, q - signal_tokens) for q in rest]
         first = _fill(ranked, more, taken=first)
         rest = [q - m for q, m in zip(rest, more)]

@@ -66,7 +66,7 @@ class RankedSelector(TokenSelector):
                                                    request.pipeline, request.capacity)
             scores = [position_weighted(s, self.decay) for s in scores]
         else:  # "deviation": every token the starts leave is a candidate
-            share = self.start_share if self.allocation in ("starts", "spread") else 0.0
+            share = self.start_share if self.allocation in ("starts", "spread", "focus") else 0.0
             budget = request_budget([s.numel() for s in offline], ratio)
             taken = starts(offline, start_count(budget, share))
             candidates = []
@@ -142,6 +142,8 @@ class RankedSettings:
             check_int("signal_tokens", self.signal_tokens, minimum=0)
         if self.signal_max_chunk is not None:
             check_int("signal_max_chunk", self.signal_max_chunk, minimum=0)
+        if self.allocation == "focus" and self.signal == "none":
+            raise ValueError("the focus allocation needs an online signal (signal=question or deviation)")
         if self.allocation == "global" and self.signal == "none" and not get_ranker(self.ranking).global_budget:
             raise ValueError(f"the global allocation needs an online signal or a ranking that compares across "
                              f"chunks; {self.ranking!r} ranks each chunk alone")

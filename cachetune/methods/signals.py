@@ -43,14 +43,15 @@ class QuestionAttention:
         self.per_layer: list[torch.Tensor] = []
 
     def __call__(self, layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
-        groups = q.shape[1] // keys.shape[1]
-        qq = q[-self.q_pos.numel():].float()                         # [Tq, H, D]
-        k = keys.float().repeat_interleave(groups, dim=1)            # [end, H, D]
-        logits = torch.einsum("thd,shd->hts", qq, k) * self.adapter.layer_info[layer].scale
-        causal = torch.arange(keys.shape[0], device=k.device)[None, :] > self.q_pos[:, None]
-        probs = torch.softmax(logits.masked_fill(causal, float("-inf")), dim=-1)
-        row = torch.zeros(self.total, device=k.device)
-        row[: keys.shape[0]] = probs.mean(dim=(0, 1))
+        t, kv_heads, d = self.q_pos.numel(), keys.shape[1], keys.shape[2]
+        qq = q[-t:].float().view(t, kv_heads, -1, d)                 # [Tq, Hkv, G, D]: no copy of K per group
+        logits = torch.einsum("tkgd,skd->kgts", qq, keys.float()) * self.adapter.layer_info[layer].scale
+        first = int(self.q_pos[0])  # keys before the question are visible to all of it: mask its own span only
+        own = torch.arange(first, keys.shape[0], device=keys.device)[None, :] > self.q_pos[:, None]
+        logits[..., first:].masked_fill_(own, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)                        # [Hkv, G, Tq, S]
+        row = torch.zeros(self.total, device=keys.device)
+        row[: keys.shape[0]] = probs.mean(dim=(0, 1, 2))
         self.per_layer.append(row)
 
     def mean(self) -> torch.Tensor:

@@ -19,6 +19,10 @@ import torch.nn.functional as F
 QUERY_BLOCK = 128
 # Consecutive runs at least this long are attended as causal blocks of their own.
 MIN_RUN = 32
+# A scattered block never bridges a gap wider than this: every query of a block attends over its whole
+# span through the masked kernel, so a system prompt grouped with the question after 6K reused tokens
+# would cost each of them 6K masked keys instead of one unmasked pass over the keys before the question.
+MAX_GAP = 512
 
 
 def _fold_gqa(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -70,7 +74,8 @@ def _blocks(pos: list[int]) -> list[tuple[int, int, bool]]:
     """Split queries into [start, stop) index blocks, flagged True when their positions are consecutive.
 
     Long consecutive runs (uncached text, fully recomputed spans) become one causal block each; short
-    runs (scattered selected tokens) are grouped, in order, into blocks of up to QUERY_BLOCK queries.
+    runs (scattered selected tokens) are grouped, in order, into blocks of up to QUERY_BLOCK queries
+    that bridge no gap wider than MAX_GAP positions.
     """
     blocks: list[tuple[int, int, bool]] = []
     group_start = None
@@ -81,6 +86,9 @@ def _blocks(pos: list[int]) -> list[tuple[int, int, bool]]:
                 group_start = None
             blocks.append((a, b, True))
             continue
+        if group_start is not None and pos[a] - pos[a - 1] > MAX_GAP:
+            blocks.append((group_start, a, False))
+            group_start = None
         if group_start is None:
             group_start = a
         if b - group_start >= QUERY_BLOCK:
