@@ -1,14 +1,15 @@
 """Issue 16's bars, paired per example, from `cachetune eval` progress files (resumable runs' JSONL).
 
 The default selection (or, with --subject, a candidate for the default: `layers6`, the question
-read over 6 layers; `starts`, its chunk starts alone) at the bars' ratio against every other method (at that ratio where it has one), on the
+read over 6 layers; `starts`, its chunk starts alone; `focus`, the rest shared by the question's
+mass per chunk) at the bars' ratio against every other method (at that ratio where it has one), on the
 examples both ran: mean KL to full recompute, the mean per-example KL difference with
 its 95% bootstrap interval and the examples each wins, top-1 agreement with full recompute along
 its answer (per-example means, the paired difference's interval), F1 over full recompute's, and TTFT as the
 geometric mean of per-example ratios to `first` (issue 4's selection; eval.report.paired_comparison).
 
     python scripts/bars.py results/smollm2/frontier/eval_*.progress.jsonl [--limit N] [--md OUT.md]
-                           [--subject default|layers6|starts] [--agree-with DIR]
+                           [--subject default|layers6|starts|focus] [--agree-with DIR]
 
 --agree-with DIR also checks each file against DIR's file of the same name (the same examples run
 elsewhere, e.g. on a GPU and on a CPU): KL and the greedy answer do not depend on timing, so they
@@ -41,11 +42,11 @@ def method_names(path: Path = Path(__file__).with_name("selection_methods.sh")) 
 
 
 _NAMES = method_names()
-FIRST, DEFAULT, LAYERS6, STARTS = (_NAMES[n] for n in ("FIRST", "DEFAULT", "CANDIDATE", "STARTS"))
-SUBJECTS = {"default": DEFAULT, "layers6": LAYERS6, "starts": STARTS}
-OTHERS = ("epic", "cacheblend", "prophetkv", FIRST, DEFAULT, LAYERS6, STARTS, "full_reuse", "c2kv", "kvlink",
+FIRST, DEFAULT, LAYERS6, STARTS, FOCUS = (_NAMES[n] for n in ("FIRST", "DEFAULT", "CANDIDATE", "STARTS", "FOCUS"))
+SUBJECTS = {"default": DEFAULT, "layers6": LAYERS6, "starts": STARTS, "focus": FOCUS}
+OTHERS = ("epic", "cacheblend", "prophetkv", FIRST, DEFAULT, LAYERS6, STARTS, FOCUS, "full_reuse", "c2kv", "kvlink",
           "block_attention")
-SHORT = {FIRST: "first", DEFAULT: "default", LAYERS6: "6 layers", STARTS: "starts alone"}
+SHORT = {FIRST: "first", DEFAULT: "default", LAYERS6: "6 layers", STARTS: "starts alone", FOCUS: "focus"}
 
 
 def load_records(path: Path, limit: int | None = None) -> list[dict]:

@@ -2,10 +2,12 @@
 # resumed run measures (sourced by scripts/frontier.sh and scripts/gpu_check.sh).
 # FIRST: issue 4's default, each chunk's first r. DEFAULT: issue 16's, chunk starts, then up to 4
 # tokens per chunk where the question attends in the first 4 layers. The candidates to replace it:
-# CANDIDATE, the same over 6 layers; STARTS, its chunk starts alone, without the question's pass.
+# CANDIDATE, the same over 6 layers; STARTS, its chunk starts alone, without the question's pass;
+# FOCUS (sixteenth session), the default with the rest shared among chunks by the question's attention mass.
 FIRST=cachetune:first:allocation=proportional:signal=none
 DEFAULT=cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=4:signal_tokens=4
 CANDIDATE=cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=6:signal_tokens=4
 STARTS=cachetune:first:allocation=spread:start_share=0.75:signal=none
+FOCUS=cachetune:first:allocation=focus:start_share=0.75:signal=question:signal_layers=4:signal_tokens=4
 # The methods the first bar orders, and the reference points beside them.
-BAR_METHODS=full_reuse,epic,cacheblend,prophetkv,$FIRST,$DEFAULT,$CANDIDATE,$STARTS
+BAR_METHODS=full_reuse,epic,cacheblend,prophetkv,$FIRST,$DEFAULT,$CANDIDATE,$STARTS,$FOCUS

@@ -122,3 +122,9 @@ def test_tier_lists_parse_fastest_first(text, tiers):
 def test_bad_tier_lists_name_the_problem(text, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(tiers=text)
+
+
+def test_focus_allocation_needs_a_signal():
+    assert EngineConfig(allocation="focus", signal="question").allocation == "focus"
+    with pytest.raises(ValueError, match="focus allocation shares the budget by an online signal"):
+        EngineConfig(allocation="focus", signal="none")

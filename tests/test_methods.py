@@ -110,7 +110,8 @@ SELECTION_VARIANTS = ["cachetune:first:allocation=equal", "cachetune:first:alloc
                       "cachetune:first:allocation=spread:signal=question:decay=1",
                       "cachetune:first:allocation=spread:signal=question:signal_tokens=2",
                       "cachetune:first:allocation=spread:signal=question:signal_max_chunk=36",
-                      "cachetune:first:allocation=focus:start_share=0.5:signal=question:signal_layers=99:signal_tokens=0",
+                      "cachetune:first:allocation=focus:start_share=0.5:signal=question:signal_layers=99"
+                      ":signal_tokens=0",
                       "cachetune:first:allocation=focus:signal=deviation"]
 
 

@@ -18,8 +18,8 @@ allocation. The allocation decides how many each chunk gets and which:
   per chunk; the rest of the chunk's share continues its starts;
 - `focus`: `spread`, with the remainder shared in proportion to the scores' mass in each chunk (the
   sum of its scores over the tokens its starts leave) instead of its length: the question's
-  attention says which chunks this request needs (ProphetKV's finding), while the tokens stay each
-  chunk's starts and signal picks (scores must compare across chunks);
+  attention says which chunks this request needs, while the tokens stay each chunk's starts and
+  signal picks (scores must compare across chunks);
 - `global`: the top `budget` tokens of the whole context by scores that compare across chunks
   (CacheBlend, ProphetKV).
 
@@ -36,6 +36,7 @@ import torch
 from cachetune.config import ALLOCATIONS
 START_SHARE = 0.75  # the `starts` allocation's share of the budget spent on chunk starts (issue 16)
 SIGNAL_TOKENS = 4   # `spread`: at most this many of a chunk's tokens picked by the signal (issue 16)
+WITH_STARTS = ("starts", "spread", "focus")  # allocations that give `start_share` to chunk starts first
 PER_CHUNK = ("proportional", "equal", "spread")  # allocations whose signal picks within each chunk's own share
 
 

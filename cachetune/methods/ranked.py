@@ -9,7 +9,7 @@ import torch
 
 from cachetune.chunks.rankers import get_ranker
 from cachetune.config import SIGNALS, EngineConfig
-from cachetune.methods.allocation import (ALLOCATIONS, PER_CHUNK, SIGNAL_TOKENS, START_SHARE, allocate,
+from cachetune.methods.allocation import (ALLOCATIONS, PER_CHUNK, SIGNAL_TOKENS, START_SHARE, WITH_STARTS, allocate,
                                          request_budget, start_count, starts)
 from cachetune.methods.base import Method, NoSettings, RatioSettings, check_int, check_ratio, register
 from cachetune.methods.prefill import Prefilled
@@ -66,7 +66,7 @@ class RankedSelector(TokenSelector):
                                                    request.pipeline, request.capacity)
             scores = [position_weighted(s, self.decay) for s in scores]
         else:  # "deviation": every token the starts leave is a candidate
-            share = self.start_share if self.allocation in ("starts", "spread", "focus") else 0.0
+            share = self.start_share if self.allocation in WITH_STARTS else 0.0
             budget = request_budget([s.numel() for s in offline], ratio)
             taken = starts(offline, start_count(budget, share))
             candidates = []
