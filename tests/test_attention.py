@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from cachetune.runtime.attention import MAX_GAP, QUERY_BLOCK, _blocks, _dense_masked, sparse_causal_attention
+from cachetune.runtime.attention import MERGE_CELLS, MIN_RUN, QUERY_BLOCK, _blocks, _dense_masked, sparse_causal_attention
 
 HKV = 2
 D = 16
@@ -218,19 +218,40 @@ def test_blocks_long_run_is_one_contiguous_block() -> None:
 
 
 def test_blocks_flag_long_runs_between_scattered_tokens_as_contiguous() -> None:
-    run = list(range(100, 100 + QUERY_BLOCK // 2))
-    pos = [1, 5, 9] + run + [300, 310]
+    # A run longer than a scattered block may hold never joins one; a causal block takes no followers.
+    run = list(range(100, 100 + 2 * QUERY_BLOCK))
+    pos = [1, 5, 9] + run + [400, 410]
     blocks = _blocks(pos)
     assert (3, 3 + len(run), True) in blocks
     assert_blocks_partition(pos)
 
 
 def test_short_runs_far_apart_are_not_grouped_and_still_match_reference() -> None:
-    # A system prompt and a question with reused context between them (a question pass): two blocks,
-    # so no query attends over the context through the masked kernel.
-    pos = list(range(0, 20)) + list(range(20 + MAX_GAP, 20 + MAX_GAP + 18))  # a gap of MAX_GAP + 1
+    # A system prompt and a question with 6K reused positions between them (a question pass): two
+    # blocks, so no query attends over the context through the masked kernel.
+    pos = list(range(0, 20)) + list(range(6000, 6018))
     assert _blocks(pos) == [(0, 20, False), (20, 38, False)]
-    near = list(range(0, 20)) + list(range(19 + MAX_GAP, 19 + MAX_GAP + 18))
-    assert _blocks(near) == [(0, 38, False)]
     q, k, v = make_qkv(pos[-1] + 1, 3)
     assert_matches_reference(q, k, v, torch.tensor(pos))
+
+
+def test_a_few_scattered_queries_ride_with_the_next_run_and_match_reference() -> None:
+    # One chunk's first tokens, four question picks later in it, the next chunk's first tokens: the
+    # picks join the next chunk's run (one pass over the prefix instead of two); the two runs, 500
+    # positions apart, stay apart.
+    first_run = list(range(0, 90))
+    picks = [200, 310, 420, 480]
+    next_run = list(range(500, 590))
+    pos = first_run + picks + next_run
+    assert 4 * (589 - 480) + 90 * 89 // 2 <= MERGE_CELLS
+    assert _blocks(pos) == [(0, 90, True), (90, 184, False)]
+    q, k, v = make_qkv(pos[-1] + 1, 3)
+    assert_matches_reference(q, k, v, torch.tensor(pos))
+
+
+def test_a_run_too_costly_to_join_opens_its_own_causal_block() -> None:
+    # Forty picks 300 positions before a run: joining would add 40 * 300+ masked products.
+    picks = list(range(0, 400, 10))
+    run = list(range(700, 700 + MIN_RUN))
+    assert 40 * (700 + MIN_RUN - 1 - 390) > MERGE_CELLS
+    assert _blocks(picks + run) == [(0, 40, False), (40, 40 + MIN_RUN, True)]
