@@ -196,7 +196,8 @@ def cmd_eval(args) -> int:
     datasets = _datasets(args, str(bundled_sample_path()))
     cfg = EvalConfig(methods=_methods(args.methods), ratio=EngineConfig.ratio if args.ratio is None else args.ratio,
                      ratios=_floats(args.ratios), sweep_examples=args.sweep_examples,
-                     max_new_tokens=args.max_new_tokens, repeats=args.repeats, system=args.system)
+                     max_new_tokens=args.max_new_tokens, repeats=args.repeats, system=args.system,
+                     retime=tuple(_methods(args.retime)) if args.retime else ())
     engine = _engine(args)
     cfg = replace(cfg, ratio=engine.config.ratio)  # --ratio, else the --config file's, else the default
     skipped = {}
@@ -256,6 +257,8 @@ def _eval_args(p: argparse.ArgumentParser, methods: str, repeats: int) -> None:
     p.add_argument("--json", help="write the report here, a .md table beside it, and resume from "
                                   "its .progress.jsonl")
     p.add_argument("--fresh", action="store_true", help="ignore (delete) earlier progress for --json")
+    p.add_argument("--retime", help="comma-separated methods already recorded for an example that run again "
+                                    "when a resumed run adds others to it, so both are timed in one pass")
     p.add_argument("--plots", help="directory for the quality/fidelity vs TTFT PNGs")
     _engine_args(p, own=("ratio", "max_new_tokens"))
     p.set_defaults(func=cmd_eval)

@@ -108,6 +108,24 @@ def test_eval_adds_only_the_missing_methods_to_resumed_examples(qa_file, tmp_pat
     assert {m["device"] for m in grown.values()} == {here} and here.startswith(f"{device.type}:")
 
 
+def test_eval_retimes_named_methods_beside_the_ones_a_resumed_run_adds(qa_file, tmp_path):
+    out = tmp_path / "eval.json"
+    base = ["eval", "--data", str(qa_file), "--max-new-tokens", "3", "--json", str(out), "--retime", "full_reuse"]
+    assert main([*base, "--methods", "full_reuse"]) == 0
+    first = json.loads(out.read_text())["examples"][0]["methods"]
+    assert main([*base, "--methods", "full_reuse"]) == 0  # nothing added: nothing runs again
+    assert json.loads(out.read_text())["examples"][0]["methods"] == first
+    assert main([*base, "--methods", "full_reuse,epic"]) == 0
+    grown = json.loads(out.read_text())["examples"][0]["methods"]
+    assert set(grown) == {"full_recompute", "full_reuse", "epic"}
+    # full_reuse ran again in the pass that added epic: both against the full recompute timed there.
+    assert grown["full_reuse"]["full_ttft_ms"] == grown["epic"]["full_ttft_ms"]
+    assert grown["full_reuse"]["ttft_ms"] != first["full_reuse"]["ttft_ms"]
+    assert grown["full_reuse"]["kl"] == pytest.approx(first["full_reuse"]["kl"], abs=1e-6)
+    assert grown["full_recompute"] == first["full_recompute"]
+    assert main([*base[:-2], "--retime", "no_such_method", "--methods", "full_reuse"]) == 2
+
+
 def test_eval_runs_ratio_methods_once_per_ratio(qa_file, tmp_path):
     out = tmp_path / "eval.json"
     code = main(["eval", "--data", str(qa_file), "--methods", "epic,cacheblend,cachetune:probe", "--ratios",
