@@ -32,11 +32,11 @@ def _counted_attention(q, k, v, q_pos, scale, sliding_window=None, plan=None):
     _counts["attention_ms"] += (time.perf_counter() - start) * 1e3
     for blk in plan or []:
         queries = blk.stop - blk.start
+        masked_span = blk.last - blk.first + 1 if blk.mask is not None else 0
         _counts["blocks"] += 1
         _counts["queries"] += queries
-        _counts["products"] += queries * blk.first
-        _counts["products"] += queries * (blk.last - blk.first + 1) if blk.mask is not None else 0
-        _counts["masked"] += queries * (blk.last - blk.first + 1) if blk.mask is not None else 0
+        _counts["products"] += queries * (blk.first + masked_span)
+        _counts["masked"] += queries * masked_span
     return out
 
 
