@@ -139,9 +139,10 @@ class EngineConfig:
     min_ratio: float = QUALITY_FLOOR  # r_min: calibration's quality floor; "auto" on a tier never calibrated
     calibration: str | None = None  # the calibration file "auto" reads (None: <cache dir>/calibration.json)
     ranking: str = "first"          # offline ranker stored with each chunk, read by cachetune (chunks.rankers)
-    # Issue 16's default: every chunk's first tokens, then up to 4 tokens per chunk where the question
-    # attends in the first layers (docs/methods.md); "proportional" / "none" is issue 4's `first` alone.
-    allocation: str = "spread"      # how cachetune shares a request's budget among chunks (methods.allocation)
+    # Issue 16's default: every chunk's first tokens, then the rest shared among chunks by where the
+    # question attends in the first layers, up to 4 of its picks per chunk (docs/methods.md);
+    # "proportional" / "none" is issue 4's `first` alone.
+    allocation: str = "focus"       # how cachetune shares a request's budget among chunks (methods.allocation)
     signal: str = "question"        # cachetune's online signal within the allocation: none, question, deviation
     alpha: float = 0.5              # share of low frequencies kept by the `lf` ranking
     max_new_tokens: int = 64        # decode budget of a request that sets none

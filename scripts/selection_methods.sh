@@ -1,11 +1,12 @@
 # Issue 16's methods, named in full so that a later change of the defaults does not change what a
 # resumed run measures (sourced by scripts/frontier.sh and scripts/gpu_check.sh).
-# FIRST: issue 4's default, each chunk's first r. DEFAULT: issue 16's, chunk starts, then up to 4
-# tokens per chunk where the question attends in the first 4 layers. The candidates to replace it:
-# CANDIDATE, the same over 6 layers; STARTS, its chunk starts alone, without the question's pass;
-# FOCUS (sixteenth session), the default with the rest shared among chunks by the question's attention mass;
-# its start share is 0.8 since the seventeenth (0.75 cost 1.10x `first`'s TTFT on SmolLM2 MuSiQue rows
-# 100-119; the 0.75 rows stay in the progress files under their own name).
+# FIRST: issue 4's default, each chunk's first r. DEFAULT: issue 16's first default (`spread`), chunk
+# starts, then up to 4 tokens per chunk where the question attends in the first 4 layers. The
+# candidates measured to replace it: CANDIDATE, the same over 6 layers; STARTS, its chunk starts alone,
+# without the question's pass; FOCUS (sixteenth session), the rest shared among chunks by the
+# question's attention mass, the engine's default since the eighteenth session. Its start share is
+# 0.8 since the seventeenth (0.75 cost 1.10x `first`'s TTFT on SmolLM2 MuSiQue rows 100-119; the 0.75
+# rows stay in the progress files under their own name).
 FIRST=cachetune:first:allocation=proportional:signal=none
 DEFAULT=cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=4:signal_tokens=4
 CANDIDATE=cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=6:signal_tokens=4

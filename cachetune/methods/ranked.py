@@ -53,6 +53,8 @@ class RankedSelector(TokenSelector):
 
     def choose(self, request: SelectionRequest, ratio: float) -> tuple[list[torch.Tensor], Prefilled | None]:
         offline = [request.rankings.scores(chunk, self.ranker) for chunk in request.chunks]
+        if not offline:  # nothing reused: no budget to share, no signal to pay for
+            return [], None
         if self.signal is None:
             comparable = request.rankings.ranker(self.ranker).global_budget
             allocation = "global" if comparable and self.allocation == "proportional" else self.allocation
@@ -120,7 +122,7 @@ class RankedSettings:
     ratio: float = EngineConfig.ratio            # share of the request's chunk tokens recomputed
     ranking: str = EngineConfig.ranking          # offline ranker (cachetune.chunks.rankers)
     allocation: str = EngineConfig.allocation    # how the budget is shared among chunks (methods.allocation)
-    start_share: float = START_SHARE             # the `starts` allocation's share of the budget on chunk starts
+    start_share: float = START_SHARE             # starts, spread, focus: the budget's share on chunk starts
     signal: str = EngineConfig.signal            # online signal that picks within the allocation (SIGNALS)
     signal_layers: int = SIGNAL_LAYERS           # layers the question signal reads
     decay: float = 0.0                           # question scores x (in-chunk position + 1)^-decay
