@@ -133,6 +133,13 @@ def test_every_allocation_and_signal_at_ratio_zero_is_full_reuse(llama, name):
     assert all(s.numel() == 0 for s in _select(name, adapter, layout, 0.0))
 
 
+@pytest.mark.parametrize("name", SELECTION_VARIANTS)
+def test_every_allocation_and_signal_selects_nothing_when_no_chunk_is_reused(llama, name):
+    _, adapter = llama
+    layout, _ = build_layout(adapter, _parts(chunks=()))
+    assert _select(name, adapter, layout, 0.15) == []
+
+
 def test_starts_allocation_recomputes_every_chunk_start(llama):
     _, adapter = llama
     layout, _ = build_layout(adapter, _parts(chunks=(40, 10, 50)))
