@@ -126,7 +126,7 @@ class RankedSettings:
     signal: str = EngineConfig.signal            # online signal that picks within the allocation (SIGNALS)
     signal_layers: int = SIGNAL_LAYERS           # layers the question signal reads
     decay: float = 0.0                           # question scores x (in-chunk position + 1)^-decay
-    signal_tokens: int | None = SIGNAL_TOKENS    # spread: at most this many signal picks per chunk (None: no cap)
+    signal_tokens: int | None = SIGNAL_TOKENS    # spread, focus: at most this many signal picks per chunk (None: no cap)
     signal_max_chunk: int | None = None          # the signal picks only in chunks up to this length (None: all)
 
     def __post_init__(self) -> None:
