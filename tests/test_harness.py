@@ -10,7 +10,7 @@ import torch
 from cachetune.eval.datasets import QAExample
 from cachetune.eval.harness import EvalConfig, ProgressLog, Setting, Variant, _Request, run_example
 from cachetune.eval.report import (best_within, format_tables, paired_comparison, pareto_frontier, plot_frontier,
-                                   summarize_records, sweep_records)
+                                   plot_tradeoff, summarize_records, sweep_records)
 
 
 def test_config_puts_full_recompute_first_once_and_rejects_unknown_methods():
@@ -180,6 +180,23 @@ def test_frontier_plots_and_table_for_a_ratio_sweep(tmp_path):
     assert "KL Pareto frontier over the 2 examples every variant ran on, fastest first" in format_tables(report)
     (png,) = plot_frontier(report, tmp_path, mark="fast@0.3")
     assert png.name == "frontier_d.png" and png.stat().st_size > 0
+
+
+def test_long_method_names_widen_the_tradeoff_plot_instead_of_squeezing_its_axes(tmp_path):
+    import matplotlib.image
+
+    def png_width(name, out):
+        records = [_record("d", i, [1000.0], [10.0]) for i in range(2)]
+        for r in records:
+            r["methods"][name] = r["methods"].pop("fast")
+        report = {"model": "m", "dtype": "float32", "threads": 2, "config": {"ratio": 0.15},
+                  "datasets": summarize_records(records, ["full_recompute", name])}
+        (quality_png, _) = plot_tradeoff(report, tmp_path / out)
+        return matplotlib.image.imread(quality_png).shape[1]
+
+    short, long = png_width("fast", "short"), png_width("cachetune:" + "x" * 90, "long")
+    # About 0.65 em a character at 8 pt and 120 dpi: 86 more characters need about 745 more pixels.
+    assert 700 < long - short < 790
 
 
 def test_rows_cover_the_examples_that_have_their_method():

@@ -230,6 +230,12 @@ def save_figure(fig, path: str | Path, title: str | None = None) -> Path:
     return path
 
 
+def legend_inches(labels, fontsize: float) -> float:
+    """Figure width (inches) a legend right of the axes takes: about 0.65 em a character plus the
+    marker. Added to the panels' width, so long method names do not squeeze the axes."""
+    return 0.65 * fontsize / 72 * max((len(str(l)) for l in labels), default=0) + 0.8
+
+
 def plot_tradeoff(report: dict, out_dir: str | Path) -> list[Path]:
     """The paper's Figure 3: quality vs TTFT per dataset, and the same for fidelity (KL to full)."""
     plt = pyplot()
@@ -239,7 +245,9 @@ def plot_tradeoff(report: dict, out_dir: str | Path) -> list[Path]:
     for key, label, fname in [("quality", "quality (F1 / ROUGE-L)", "quality_vs_ttft.png"),
                               ("kl_to_full", "KL to full recompute (lower is better)", "fidelity_vs_ttft.png")]:
         names = list(report["datasets"])
-        fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names) + 2, 4.5), squeeze=False)
+        labels = [row["method"] for ds in report["datasets"].values() for row in ds["results"]]
+        fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names) + legend_inches(labels, 8), 4.5),
+                                 squeeze=False)
         for ax, name in zip(axes[0], names):
             ds = report["datasets"][name]
             for i, row in enumerate(ds["results"]):
@@ -264,7 +272,9 @@ def plot_ratio_curves(report: dict, out_dir: str | Path) -> Path | None:
     if not any("@" in r["method"] for results in rows.values() for r in results):
         return None
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows) + 2, 4.5), squeeze=False)
+    labels = [r["method"].partition("@")[0] for results in rows.values() for r in results]
+    fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows) + legend_inches(labels, 8), 4.5),
+                             squeeze=False)
     for ax, (name, results) in zip(axes[0], rows.items()):
         curves: dict[str, list[tuple[float, float]]] = {}
         for r in results:
@@ -321,7 +331,8 @@ def plot_frontier(report: dict, out_dir: str | Path, mark: str | None = None) ->
     written = []
     for name, ds in report["datasets"].items():
         rows = [r for r in ds["results"] if r["method"] != FULL_RECOMPUTE]
-        fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+        labels = [r["method"].partition("@")[0] for r in rows] + ["frontier", "the default"]
+        fig, axes = plt.subplots(1, 2, figsize=(11 + legend_inches(labels, 7), 5))
         for ax, key, ylabel, sign in [(axes[0], "kl_to_full", "KL to full recompute (lower is better)", 1.0),
                                       (axes[1], "quality", f"{ds['metric']} (higher is better)", -1.0)]:
             curves: dict[str, list[tuple[float, float, str]]] = {}
