@@ -230,10 +230,10 @@ def save_figure(fig, path: str | Path, title: str | None = None) -> Path:
     return path
 
 
-def legend_inches(labels, fontsize: float) -> float:
+def legend_inches(labels: list[str], fontsize: float) -> float:
     """Figure width (inches) a legend right of the axes takes: about 0.65 em a character plus the
     marker. Added to the panels' width, so long method names do not squeeze the axes."""
-    return 0.65 * fontsize / 72 * max((len(str(l)) for l in labels), default=0) + 0.8
+    return 0.65 * fontsize / 72 * max((len(label) for label in labels), default=0) + 0.8
 
 
 def plot_tradeoff(report: dict, out_dir: str | Path) -> list[Path]:
