@@ -5,6 +5,7 @@ so many variants fit in one run) and its time to first token measured once per e
 run as every other variant. Resumable: rows already in the output file are skipped.
 
     python scripts/selection_kl.py --data hotpotqa_heldout --limit 12 [--skip N] --variants FILE --out OUT.jsonl
+    python scripts/selection_kl.py --data musique --rows 37,43,48 --variants FILE --out OUT.jsonl
     python scripts/selection_kl.py --summary OUT.jsonl [...] [--baseline VARIANT] [--pool] [--only VARIANT ...]
 
 --summary also reads `cachetune eval` progress files (the same KL: teacher-forced on full
@@ -51,7 +52,7 @@ def run(args) -> None:
     warm = False
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as f:
-        examples = load_dataset(args.data, args.limit)[args.skip:]
+        examples = pick_rows(args.data, args.limit, args.skip, args.rows)
         for ex in tqdm(examples, desc=args.data, unit="example"):
             todo = [v for v in variants if (ex.id, v.label) not in done]
             if not todo:
@@ -73,6 +74,19 @@ def run(args) -> None:
                                     "share": result.recomputed_chunk_tokens / max(1, chunk_tokens),
                                     "prompt": result.prompt_tokens}) + "\n")
                 f.flush()
+
+
+def pick_rows(data: str, limit: int | None, skip: int = 0, rows: str | None = None) -> list:
+    """The set's examples [skip:limit], or with `rows` ("37,43,48") those rows of the set, in that order."""
+    if rows is None:
+        return load_dataset(data, limit)[skip:]
+    picked = [int(r) for r in rows.split(",") if r.strip()]
+    if not picked or min(picked) < 0:
+        raise ValueError(f"--rows wants row numbers >= 0, got {rows!r}")
+    examples = load_dataset(data, max(picked) + 1)
+    if max(picked) >= len(examples):
+        raise ValueError(f"--rows: {data} has {len(examples)} rows, asked for row {max(picked)}")
+    return [examples[r] for r in picked]
 
 
 def read_rows(path: str | Path, ratio: float) -> list[dict]:
@@ -166,6 +180,7 @@ def main() -> None:
     p.add_argument("--data")
     p.add_argument("--limit", type=int)
     p.add_argument("--skip", type=int, default=0, help="leave out the first SKIP of the --limit examples")
+    p.add_argument("--rows", help="run these rows of the set only (\"37,43,48\"; instead of --limit/--skip)")
     p.add_argument("--ratio", type=float, default=EngineConfig.ratio)
     p.add_argument("--variants")
     p.add_argument("--out")

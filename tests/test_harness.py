@@ -395,3 +395,22 @@ def test_selection_kl_summary_pools_an_eval_progress_file_with_its_own_rows_at_t
         selection_kl.summary([own, other], baseline="p", pool=True)
     with pytest.raises(SystemExit, match="no rows of s"):
         selection_kl.summary([own], baseline="p", only=["s"])
+
+
+def test_selection_kl_rows_picks_those_rows_of_the_set_in_order_and_refuses_rows_past_its_end():
+    """scripts/selection_kl.py --rows: the named rows of the set (what a re-run of a few examples of a
+    frontier needs), the same examples --limit/--skip would give at those places; a row past the
+    set's end or a negative one is a clear error."""
+    import pytest
+
+    from cachetune.eval.datasets import bundled_sample_path, load_dataset
+
+    selection_kl = _script("selection_kl")
+    data = str(bundled_sample_path())
+    every = load_dataset(data)
+    assert [e.id for e in selection_kl.pick_rows(data, None, rows="5,1")] == [every[5].id, every[1].id]
+    assert [e.id for e in selection_kl.pick_rows(data, 4, skip=2)] == [every[2].id, every[3].id]
+    with pytest.raises(ValueError, match=f"has {len(every)} rows, asked for row {len(every)}"):
+        selection_kl.pick_rows(data, None, rows=str(len(every)))
+    with pytest.raises(ValueError, match="row numbers >= 0"):
+        selection_kl.pick_rows(data, None, rows="-1")
