@@ -6,6 +6,9 @@
 # bars' ratio) and the methods without a budget, so the r = 0.15 comparison gets every example.
 #   scripts/frontier.sh smollm2            SmolLM2-135M float32, 100 examples per set
 #   scripts/frontier.sh qwen               Qwen2.5-Coder-1.5B float32, 50 examples per set
+# METHODS=m1,m2,... runs those methods only, and OUT=DIR writes elsewhere: a pass that takes some
+# methods past the others' examples, in a copy of the progress files (the report covers the methods
+# a run names, so the frontier's own report keeps every method).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CT=${CT:-.venv/bin/cachetune}
@@ -14,13 +17,13 @@ SETS=${SETS:-hotpotqa_heldout musique 2wikimqa}
 # The methods are named in full in one file, shared with the GPU check. The first pass's uncapped
 # and deeper question variants stay in the progress files but are no longer extended.
 source scripts/selection_methods.sh
-METHODS=$BAR_METHODS
 case "${1:-smollm2}" in
   # SmolLM2 also has the trained methods (their weights ship for it).
-  smollm2) MODEL=(); OUT=results/smollm2/frontier; PASSES=${PASSES:-10 25 50 100}; SWEEP=${SWEEP:-25}
-           METHODS=$METHODS,c2kv,kvlink,block_attention ;;
+  smollm2) MODEL=(); OUT=${OUT:-results/smollm2/frontier}; PASSES=${PASSES:-10 25 50 100}; SWEEP=${SWEEP:-25}
+           METHODS=${METHODS:-$BAR_METHODS,c2kv,kvlink,block_attention} ;;
   # Qwen: about 10x the compute per token; the methods the bars name.
-  qwen)    MODEL=(--model qwen2.5-coder-1.5b); OUT=results/qwen/frontier; PASSES=${PASSES:-10 25 50}; SWEEP=${SWEEP:-10} ;;
+  qwen)    MODEL=(--model qwen2.5-coder-1.5b); OUT=${OUT:-results/qwen/frontier}; PASSES=${PASSES:-10 25 50}; SWEEP=${SWEEP:-10}
+           METHODS=${METHODS:-$BAR_METHODS} ;;
   *) echo "usage: $0 smollm2|qwen" >&2; exit 2 ;;
 esac
 for limit in $PASSES; do
