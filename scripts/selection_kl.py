@@ -12,7 +12,8 @@ run as every other variant. Resumable: rows already in the output file are skipp
 recompute's greedy answer), each method at --ratio, so a frontier run's examples and this script's
 can be compared, or with --pool read as one sample. Pooled files may share examples: an example's
 variants are then joined across them (the KL of a variant on an example is deterministic, so one
-that two files both ran must agree to 1e-4 of its value, or the files were run with other settings and are refused).
+that two files both ran must agree to 1e-4 of its value, or the files were run with other settings
+and are refused).
 TTFT is compared as each row's ratio to the full recompute timed with it, which is the plain ratio
 within one run and stays fair across runs.
 
@@ -140,7 +141,7 @@ def summary(paths: list[str], baseline: str = "cachetune", ratio: float = Engine
                 seen = by[row["variant"]].get(row["id"])
                 in_files[row["variant"]].add(n)
                 if seen is not None and seen["file"] != n:
-                    # Other CPUs' float32 kernels move the last digits (4e-6 seen); other settings move percents.
+                    # Other CPUs' float32 kernels move the last digits (1.4e-6 seen); other settings move percents.
                     if abs(seen["kl"] - row["kl"]) > 1e-4 * max(1.0, abs(seen["kl"])):
                         raise SystemExit(f"--pool: {row['variant']} on {row['id']} has KL {seen['kl']:.6f} in one "
                                          f"file and {row['kl']:.6f} in {path}: runs with other settings")

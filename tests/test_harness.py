@@ -390,6 +390,9 @@ def test_selection_kl_summary_pools_an_eval_progress_file_with_its_own_rows_at_t
                                                              "full_ttft": 1.0}])
     table = selection_kl.summary([str(progress), own, later], baseline="p", pool=True, only=["r"])
     assert "| r | 0.1000 | -0.3000 (-0.4000, -0.2000) | 2 / 0 | 2.00 | 0.150 |" in table and "| q |" not in table
+    # another CPU's float32 kernels: the same KL to the last digits is the same example, joined
+    machine = write("machine.jsonl", [{"id": "e2", "variant": "p", "kl": 0.300002, "ttft": 1.0, "full_ttft": 1.0}])
+    assert "1 examples" in selection_kl.summary([own, machine], baseline="p", pool=True)
     other = write("other.jsonl", [{"id": "e2", "variant": "p", "kl": 0.35, "ttft": 1.0, "full_ttft": 1.0}])
     with pytest.raises(SystemExit, match="p on e2 has KL 0.300000 in one file and 0.350000"):
         selection_kl.summary([own, other], baseline="p", pool=True)
