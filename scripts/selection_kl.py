@@ -81,7 +81,10 @@ def pick_rows(data: str, limit: int | None, skip: int = 0, rows: str | None = No
     """The set's examples [skip:limit], or with `rows` ("37,43,48") those rows of the set, in that order."""
     if rows is None:
         return load_dataset(data, limit)[skip:]
-    picked = [int(r) for r in rows.split(",") if r.strip()]
+    try:
+        picked = [int(r) for r in rows.split(",") if r.strip()]
+    except ValueError:
+        picked = []
     if not picked or min(picked) < 0:
         raise ValueError(f"--rows wants row numbers >= 0, got {rows!r}")
     examples = load_dataset(data, max(picked) + 1)

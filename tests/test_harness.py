@@ -417,3 +417,5 @@ def test_selection_kl_rows_picks_those_rows_of_the_set_in_order_and_refuses_rows
         selection_kl.pick_rows(data, None, rows=str(len(every)))
     with pytest.raises(ValueError, match="row numbers >= 0"):
         selection_kl.pick_rows(data, None, rows="-1")
+    with pytest.raises(ValueError, match="row numbers >= 0"):
+        selection_kl.pick_rows(data, None, rows="3,x")
