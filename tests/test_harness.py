@@ -202,13 +202,19 @@ def test_long_method_names_widen_the_tradeoff_plot_instead_of_squeezing_its_axes
 def test_rows_cover_the_examples_that_have_their_method():
     records = [_record("d", i, [1000.0], [10.0]) for i in range(3)]
     records[0]["methods"]["fast@0.3"] = {**records[0]["methods"]["fast"], "kl": 0.1, "score": 1.0}
+    for r in records:  # a budget every example ran, cheaper and worse than `fast`
+        r["methods"]["fast@0.1"] = {**r["methods"]["fast"], "ttft_ms": [8.0], "kl": 0.9}
     rows = {r["method"]: r for r in summarize_records(records, ["full_recompute", "fast", "fast@0.3"])["d"]["results"]}
     assert rows["fast"]["n_examples"] == 3 and rows["fast@0.3"]["n_examples"] == 1
     assert rows["fast@0.3"]["kl_to_full"] == 0.1 and rows["fast@0.3"]["quality_vs_full"] == 1.0
     assert sweep_records(records, ["fast", "fast@0.3"]) == records[:1]
     report = {"model": "m", "dtype": "float32", "threads": 2, "config": {"ratio": 0.15},
-              "datasets": summarize_records(records, ["full_recompute", "fast", "fast@0.3"])}
-    assert "| n_examples |" in format_tables(report)
+              "datasets": summarize_records(records, ["full_recompute", "fast", "fast@0.1", "fast@0.3"])}
+    table = format_tables(report)
+    assert "| n_examples |" in table and "| 1 |" in table
+    # Without a separate frontier, the frontier line compares only the rows on all 3 examples.
+    (front,) = [line for line in table.splitlines() if line.startswith("KL Pareto frontier")]
+    assert "over the 3 examples" in front and "fast@0.1" in front and "fast@0.3" not in front
 
 
 def test_paired_comparison_pairs_examples_and_takes_per_example_timing_ratios():

@@ -152,6 +152,11 @@ def _pooled(recs: list[dict], method: str, key: str) -> list[float]:
     return [x for r in recs for x in r["methods"][method][key]]
 
 
+def covers_all(row: dict, ds: dict) -> bool:
+    """Whether a method's row is over every example of its dataset (a sweep's other ratios may not be)."""
+    return row.get("n_examples", ds["n_examples"]) == ds["n_examples"]
+
+
 def format_tables(report: dict) -> str:
     """Markdown: one table per dataset, one row per method."""
     head = (f"model {report['model']} ({report['dtype']}, {report['threads']} threads), "
@@ -159,7 +164,7 @@ def format_tables(report: dict) -> str:
     parts = [head]
     for name, ds in report["datasets"].items():
         columns = COLUMNS + [c for c in OPTIONAL_COLUMNS if ds["results"] and all(c in r for r in ds["results"])]
-        if any(r.get("n_examples", ds["n_examples"]) != ds["n_examples"] for r in ds["results"]):
+        if not all(covers_all(r, ds) for r in ds["results"]):
             columns = columns + ["n_examples"]  # a sweep's other ratios ran on fewer examples
         parts += ["", f"### {name}: {ds['n_examples']} examples, ~{ds['mean_prompt_tokens']:.0f} prompt tokens, "
                       f"quality = {ds['metric']}", "",
@@ -177,9 +182,10 @@ def format_tables(report: dict) -> str:
                              f"{_cell(row['quality_vs_full'])} | {_span(row['quality_vs_full_ci'], 2)} | "
                              f"{row['examples_better']} / {row['examples_worse']} |")
         # The frontier compares every variant on the same examples (report["frontier"], when given).
+        # Without it, the rows that cover every example: a sweep's rows on fewer are not comparable.
         sweep = report.get("frontier", {}).get(name, ds)
         points = {r["method"]: (r["ttft_ms_median"], r["kl_to_full"]) for r in sweep["results"]
-                  if r["method"] != FULL_RECOMPUTE}
+                  if r["method"] != FULL_RECOMPUTE and covers_all(r, sweep)}
         if any("@" in m for m in points):
             front = pareto_frontier(points)
             parts += ["", f"KL Pareto frontier over the {sweep['n_examples']} examples every variant ran on, "
@@ -191,6 +197,8 @@ def format_tables(report: dict) -> str:
 def _cell(value) -> str:
     if isinstance(value, str):
         return value
+    if isinstance(value, int):  # a count
+        return str(value)
     return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3f}"
 
 
@@ -251,9 +259,12 @@ def plot_tradeoff(report: dict, out_dir: str | Path) -> list[Path]:
         for ax, name in zip(axes[0], names):
             ds = report["datasets"][name]
             for i, row in enumerate(ds["results"]):
-                # Fixed colour and marker per method position, so methods read the same in every panel.
+                if not covers_all(row, ds):  # the panel compares methods on the same examples
+                    continue
+                # Fixed colour and marker per method position, so methods read the same in every panel
+                # (the marker shifts each 20, so no two of 200 share both).
                 ax.scatter([row["ttft_ms_median"] / 1000], [row[key]], s=50, label=row["method"],
-                           color=plt.cm.tab20(i % 20), marker="osD^v<>ph*"[i % 10])
+                           color=plt.cm.tab20(i % 20), marker="osD^v<>ph*"[(i + i // 20) % 10])
             ax.set_xscale("log")
             ax.set_xlabel("TTFT median (s, log scale)")
             ax.set_ylabel(label if key == "kl_to_full" else ds["metric"])
@@ -267,8 +278,9 @@ def plot_tradeoff(report: dict, out_dir: str | Path) -> list[Path]:
 
 def plot_ratio_curves(report: dict, out_dir: str | Path) -> Path | None:
     """KL to full against the budget r for every method run at several ratios ("name@r" labels);
-    methods without a budget (full reuse, EPIC's fixed k) are horizontal lines. None if no such run."""
-    rows = {name: ds["results"] for name, ds in report["datasets"].items()}
+    methods without a budget (full reuse, EPIC's fixed k) are horizontal lines; rows on fewer examples
+    than their dataset's are left out. None if no such run."""
+    rows = {name: [r for r in ds["results"] if covers_all(r, ds)] for name, ds in report["datasets"].items()}
     if not any("@" in r["method"] for results in rows.values() for r in results):
         return None
     plt = pyplot()
