@@ -28,7 +28,7 @@ TIER_ORDER = ("gpu", "cpu", "disk", "redis")  # tier kinds, fastest first
 # How cachetune shares a request's recompute budget among chunks (methods.allocation), and the
 # online signals that may pick tokens within it (methods.signals).
 ALLOCATIONS = ("proportional", "equal", "starts", "spread", "focus", "global")
-SIGNALS = ("none", "question", "deviation")
+SIGNALS = ("none", "question", "deviation", "attended")
 QUALITY_FLOOR = 0.15  # the paper's r: the recompute share that keeps quality, and calibration's r_min
 # Reference media a tier can be paced to (`disk@hdd`): (bytes per second, seconds per read).
 MEDIA = {
@@ -143,7 +143,7 @@ class EngineConfig:
     # question attends in the first layers, up to 4 of its picks per chunk (docs/methods.md);
     # "proportional" / "none" is issue 4's `first` alone.
     allocation: str = "focus"       # how cachetune shares a request's budget among chunks (methods.allocation)
-    signal: str = "question"        # cachetune's online signal within the allocation: none, question, deviation
+    signal: str = "question"        # cachetune's online signal within the allocation (SIGNALS)
     alpha: float = 0.5              # share of low frequencies kept by the `lf` ranking
     max_new_tokens: int = 64        # decode budget of a request that sets none
     c2kv_extractor: str = "bundled"  # C2KV extractor: "bundled" (shipped for the model), "paper", "step0" or a file

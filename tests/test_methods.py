@@ -18,7 +18,7 @@ from cachetune.methods.prefix_cache import PrefixCache
 from cachetune.methods import SelectionRequest, SelectiveMethod, make_method, method_names, split_global_top
 from cachetune.methods.allocation import allocate, proportional_quotas
 from cachetune.methods.cacheslide import CacheSlideSelector
-from cachetune.methods.signals import position_weighted, question_attention, value_deviation
+from cachetune.methods.signals import position_weighted, question_attention, top_attended, value_deviation
 from conftest import assert_close, build_layout, hf_forward, none_selected, rand_ids
 
 TOL = 1e-4
@@ -112,7 +112,9 @@ SELECTION_VARIANTS = ["cachetune:first:allocation=equal", "cachetune:first:alloc
                       "cachetune:first:allocation=spread:signal=question:signal_max_chunk=36",
                       "cachetune:first:allocation=focus:start_share=0.5:signal=question:signal_layers=99"
                       ":signal_tokens=0",
-                      "cachetune:first:allocation=focus:signal=deviation"]
+                      "cachetune:first:allocation=focus:signal=deviation",
+                      "cachetune:first:allocation=starts:start_share=0.5:signal=attended",
+                      "cachetune:first:allocation=focus:signal=attended:signal_pool=3"]
 
 
 @pytest.mark.parametrize("name", SELECTION_VARIANTS)
@@ -144,7 +146,7 @@ def test_starts_allocation_recomputes_every_chunk_start(llama):
     _, adapter = llama
     layout, _ = build_layout(adapter, _parts(chunks=(40, 10, 50)))
     # budget round(0.3 x 100) = 30; half of it (15) on starts: 5 first tokens of each chunk
-    for signal in ("none", "question", "deviation"):
+    for signal in ("none", "question", "deviation", "attended"):
         sel = _select(f"cachetune:first:allocation=starts:start_share=0.5:signal={signal}", adapter, layout, 0.3)
         for s in sel:
             assert s[:5].tolist() == [0, 1, 2, 3, 4], signal
@@ -225,6 +227,43 @@ def test_deviation_signal_on_candidates_equals_cacheblend_layer_one_deviation(ll
         others = torch.ones(seg.chunk.num_tokens, dtype=torch.bool)
         others[chosen] = False
         assert torch.isneginf(scores[others]).all()
+
+
+def test_attended_signal_picks_by_attention_times_deviation_among_the_questions_favourites(llama):
+    """Past the starts, `attended` picks the top attention x sqrt(layer-1 deviation) among the
+    signal_pool x (picks) tokens the question attends to most, and nowhere else."""
+    _, adapter = llama
+    layout, _ = build_layout(adapter, _parts(chunks=(40, 10, 50)))
+    ratio, pool = 0.3, 2
+    got = _select(f"cachetune:first:allocation=starts:start_share=0.5:signal=attended:signal_layers=2"
+                  f":signal_pool={pool}", adapter, layout, ratio)
+    # budget round(0.3 x 100) = 30: 15 on starts (5 first tokens of each chunk), 15 picked from a pool of 30
+    attention, _ = question_attention(adapter, layout, 2)
+    first = [torch.arange(5) for _ in attention]
+    candidates = top_attended(attention, first, pool * 15)
+    assert sum(c.numel() for c in candidates) == 30
+    deviation = value_deviation(adapter, layout, candidates)
+    product = torch.cat([a[c] * d[c].sqrt() for a, d, c in zip(attention, deviation, candidates)])
+    offsets = torch.cumsum(torch.tensor([0] + [a.numel() for a in attention[:-1]]), 0)
+    flat = torch.cat([c + o for c, o in zip(candidates, offsets)])
+    best = set(flat[torch.topk(product, 15).indices].tolist())
+    picked = set(torch.cat([g[5:] + o for g, o in zip(got, offsets)]).tolist())
+    assert [g[:5].tolist() for g in got] == [list(range(5))] * 3
+    assert picked == best
+    # the pool is the question's favourites: a token the question barely attends to is never picked
+    assert picked <= set(flat.tolist())
+    with pytest.raises(ValueError, match="signal_pool"):
+        make_method("cachetune:first:allocation=starts:signal=attended:signal_pool=0.5")
+
+
+def test_top_attended_takes_the_most_attended_free_tokens_across_chunks():
+    attention = [torch.tensor([0.9, 0.1, 0.5]), torch.tensor([0.8, 0.7])]
+    taken = [torch.tensor([0]), torch.empty(0, dtype=torch.int64)]
+    got = top_attended(attention, taken, 3)
+    assert [g.tolist() for g in got] == [[2], [0, 1]]
+    got = top_attended(attention, taken, 3, allowed=[True, False])
+    assert [g.tolist() for g in got] == [[1, 2], []]  # only two free tokens where allowed
+    assert [g.tolist() for g in top_attended(attention, taken, 0)] == [[], []]
 
 
 def _question_attention_reference(model, adapter, layers):

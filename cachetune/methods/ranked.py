@@ -3,6 +3,7 @@ first tokens and full reuse, and the methods built on them."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,8 @@ from cachetune.methods.allocation import (ALLOCATIONS, PER_CHUNK, SIGNAL_TOKENS,
 from cachetune.methods.base import Method, NoSettings, RatioSettings, check_int, check_ratio, register
 from cachetune.methods.prefill import Prefilled
 from cachetune.methods.selector import SelectionRequest, SelectiveMethod, TokenSelector
-from cachetune.methods.signals import SIGNAL_LAYERS, position_weighted, question_attention, value_deviation
+from cachetune.methods.signals import (SIGNAL_LAYERS, SIGNAL_POOL, attended_deviation, position_weighted,
+                                      question_attention, top_attended, value_deviation)
 
 
 class RankedSelector(TokenSelector):
@@ -28,7 +30,9 @@ class RankedSelector(TokenSelector):
     `start_share` of the budget to every chunk's top-ranked tokens (its first tokens by the default
     `first` ranking), and the signal picks the rest over the whole context: "question", the
     question's attention over the reused context in the first `signal_layers` layers; "deviation",
-    CacheBlend's layer-1 value deviation of the tokens the starts leave (methods.signals). Under
+    CacheBlend's layer-1 value deviation of the tokens the starts leave; "attended", the question's
+    attention times that deviation, read on the `signal_pool` x (signal picks) tokens the question
+    attends to most of those the starts leave (methods.signals). Under
     `spread` the signal picks at most `signal_tokens` per chunk (None: no cap) and the rest of the
     chunk's share continues its starts; `decay` weighs the question's scores down with the in-chunk
     position. `signal_max_chunk`: under a per-chunk allocation (PER_CHUNK), the signal picks only in
@@ -42,11 +46,12 @@ class RankedSelector(TokenSelector):
     def __init__(self, name: str = "cachetune", ranker: str | None = None, drops_unselected: bool = False,
                  allocation: str = "proportional", start_share: float = START_SHARE, signal: str | None = None,
                  signal_layers: int = SIGNAL_LAYERS, decay: float = 0.0,
-                 signal_tokens: int | None = SIGNAL_TOKENS, signal_max_chunk: int | None = None):
+                 signal_tokens: int | None = SIGNAL_TOKENS, signal_max_chunk: int | None = None,
+                 signal_pool: float = SIGNAL_POOL):
         self.name, self.ranker, self.drops_unselected = name, ranker, drops_unselected
         self.allocation, self.start_share = allocation, start_share
         self.signal, self.signal_layers, self.decay = signal, signal_layers, decay
-        self.signal_tokens, self.signal_max_chunk = signal_tokens, signal_max_chunk
+        self.signal_tokens, self.signal_max_chunk, self.signal_pool = signal_tokens, signal_max_chunk, signal_pool
 
     def select(self, request: SelectionRequest, ratio: float) -> list[torch.Tensor]:
         return self.choose(request, ratio)[0]
@@ -63,20 +68,25 @@ class RankedSelector(TokenSelector):
         if not any(signalled):  # every chunk goes by its offline ranking: no pass to pay for
             return allocate(offline, ratio, self.allocation, False, self.start_share), None
         prefilled = None
-        if self.signal == "question":  # the pass's first layers are kept: the prefill does not load them again
+        if self.signal in ("question", "attended"):  # the pass's first layers are kept: the prefill does not load them again
             scores, prefilled = question_attention(request.adapter, request.layout, self.signal_layers,
                                                    request.pipeline, request.capacity)
             scores = [position_weighted(s, self.decay) for s in scores]
-        else:  # "deviation": every token the starts leave is a candidate
+        if self.signal in ("deviation", "attended"):  # read on the tokens the starts leave
             share = self.start_share if self.allocation in WITH_STARTS else 0.0
             budget = request_budget([s.numel() for s in offline], ratio)
             taken = starts(offline, start_count(budget, share))
-            candidates = []
-            for t, s, keep in zip(taken, offline, signalled):
-                free = torch.ones(s.numel(), dtype=torch.bool)
-                free[t] = False
-                candidates.append(free.nonzero().flatten() if keep else torch.empty(0, dtype=torch.int64))
-            scores = value_deviation(request.adapter, request.layout, candidates, pipeline=request.pipeline)
+            if self.signal == "deviation":  # every such token is a candidate
+                candidates = []
+                for t, s, keep in zip(taken, offline, signalled):
+                    free = torch.ones(s.numel(), dtype=torch.bool)
+                    free[t] = False
+                    candidates.append(free.nonzero().flatten() if keep else torch.empty(0, dtype=torch.int64))
+                scores = value_deviation(request.adapter, request.layout, candidates, pipeline=request.pipeline)
+            else:  # a pool of the question's favourites, a few times what the signal may pick
+                picks = budget - sum(t.numel() for t in taken)
+                candidates = top_attended(scores, taken, math.ceil(self.signal_pool * picks), signalled)
+                scores = attended_deviation(request.adapter, request.layout, scores, candidates, request.pipeline)
         # Per-chunk allocations fill each chunk from its own scores, so a chunk the signal skips can
         # take its offline ones (their scale never meets the signal's).
         scores = [s if keep else o for s, o, keep in zip(scores, offline, signalled)]
@@ -128,6 +138,7 @@ class RankedSettings:
     decay: float = 0.0                           # question scores x (in-chunk position + 1)^-decay
     signal_tokens: int | None = SIGNAL_TOKENS    # spread, focus: at most this many signal picks per chunk (None: no cap)
     signal_max_chunk: int | None = None          # the signal picks only in chunks up to this length (None: all)
+    signal_pool: float = SIGNAL_POOL             # attended: deviation read on this many times the signal's picks
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
@@ -144,8 +155,11 @@ class RankedSettings:
             check_int("signal_tokens", self.signal_tokens, minimum=0)
         if self.signal_max_chunk is not None:
             check_int("signal_max_chunk", self.signal_max_chunk, minimum=0)
+        if isinstance(self.signal_pool, bool) or not isinstance(self.signal_pool, (int, float)) \
+                or not 1 <= self.signal_pool <= 100:
+            raise ValueError(f"signal_pool must be a number in [1, 100], got {self.signal_pool!r}")
         if self.allocation == "focus" and self.signal == "none":
-            raise ValueError("the focus allocation needs an online signal (signal=question or deviation)")
+            raise ValueError("the focus allocation needs an online signal (signal=question, deviation or attended)")
         if self.allocation == "global" and self.signal == "none" and not get_ranker(self.ranking).global_budget:
             raise ValueError(f"the global allocation needs an online signal or a ranking that compares across "
                              f"chunks; {self.ranking!r} ranks each chunk alone")
@@ -168,7 +182,8 @@ def _cachetune(settings: RankedSettings) -> Method:
                                           start_share=settings.start_share, signal=signal,
                                           signal_layers=settings.signal_layers, decay=settings.decay,
                                           signal_tokens=settings.signal_tokens,
-                                          signal_max_chunk=settings.signal_max_chunk), settings)
+                                          signal_max_chunk=settings.signal_max_chunk,
+                                          signal_pool=settings.signal_pool), settings)
 
 
 @register("full_reuse", summary="nothing but uncached text (r = 0)")

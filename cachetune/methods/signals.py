@@ -7,7 +7,10 @@ of a prefill, so a selector can pick what depends on the question and on the nei
 - `value_deviation`: CacheBlend's deviation at layer 1, computed only for candidate tokens: they run
   layer 0 in context (layer-0 K/V never depend on context, so the stored ones are exact for everyone
   else) and their fresh layer-1 values are compared with the stored ones. For the candidates this is
-  exactly CacheBlend's score, at the cost of |candidates| / N of one layer.
+  exactly CacheBlend's score, at the cost of |candidates| / N of one layer;
+- `attended_deviation`: the two together, the question's attention to a token times how far its
+  layer-1 value moved, the deviation read only on the tokens the question attends to most (what a
+  reused token costs the answer is roughly the attention it gets times the error in its value).
 
 Both count toward the request's time to first token. Scores compare across chunks.
 """
@@ -26,6 +29,9 @@ from cachetune.runtime.loading import LayerLoader, Pipeline
 # Layers the question signal reads: the first two carry little (positional heads); from the fourth
 # on, the gain per layer is small on SmolLM2 while the pass costs more (docs/results.md, issue 16).
 SIGNAL_LAYERS = 4
+# The `attended` signal reads the deviation on this many times the tokens it may pick (the question's
+# top-attended ones): the deviation pass costs |candidates| / N of a layer, so the pool stays small.
+SIGNAL_POOL = 2.0
 
 
 class QuestionAttention:
@@ -132,5 +138,35 @@ def value_deviation(adapter: ModelAdapter, layout: PromptLayout, candidates: lis
             _, old_v = seg.chunk.load_layer(check, chosen)
             new_v = v[where[start + chosen].to(device)]
             scores[chosen] = (new_v.float() - old_v.to(device).float()).pow(2).sum(dim=(1, 2)).cpu()
+        out.append(scores)
+    return out
+
+
+def top_attended(attention: list[torch.Tensor], taken: list[torch.Tensor], count: int,
+                 allowed: list[bool] | None = None) -> list[torch.Tensor]:
+    """The `count` tokens of the whole context with the most attention (one [N_i] vector per chunk),
+    not `taken` and only in `allowed` chunks (None: all): one sorted int64 index tensor per chunk."""
+    allowed = allowed if allowed is not None else [True] * len(attention)
+    masked = []
+    for a, t, keep in zip(attention, taken, allowed):
+        a = a.float().clone() if keep else torch.full((a.numel(),), float("-inf"))
+        a[t] = float("-inf")
+        masked.append(a)
+    flat = torch.cat(masked) if masked else torch.empty(0)
+    count = min(count, int(torch.isfinite(flat).sum()))
+    chosen = torch.zeros(flat.numel(), dtype=torch.bool)
+    chosen[torch.topk(flat, count).indices] = True
+    return [part.nonzero().flatten() for part in torch.split(chosen, [a.numel() for a in attention])]
+
+
+def attended_deviation(adapter: ModelAdapter, layout: PromptLayout, attention: list[torch.Tensor],
+                       candidates: list[torch.Tensor], pipeline: Pipeline = Pipeline()) -> list[torch.Tensor]:
+    """Per chunk [N_i]: attention x the L2 norm of the layer-1 value deviation (value_deviation) on
+    the candidates, -inf elsewhere. attention: the question's, one [N_i] vector per chunk."""
+    deviation = value_deviation(adapter, layout, candidates, pipeline=pipeline)
+    out = []
+    for a, d, c in zip(attention, deviation, candidates):
+        scores = torch.full((a.numel(),), float("-inf"))
+        scores[c] = a.float()[c] * d[c].clamp(min=0).sqrt()
         out.append(scores)
     return out
