@@ -114,7 +114,8 @@ SELECTION_VARIANTS = ["cachetune:first:allocation=equal", "cachetune:first:alloc
                       ":signal_tokens=0",
                       "cachetune:first:allocation=focus:signal=deviation",
                       "cachetune:first:allocation=starts:start_share=0.5:signal=attended",
-                      "cachetune:first:allocation=focus:signal=attended:signal_pool=3"]
+                      "cachetune:first:allocation=focus:signal=attended:signal_pool=3",
+                      "cachetune:first:allocation=proportional:signal=attended:signal_pool=1"]
 
 
 @pytest.mark.parametrize("name", SELECTION_VARIANTS)
@@ -252,6 +253,10 @@ def test_attended_signal_picks_by_attention_times_deviation_among_the_questions_
     assert picked == best
     # the pool is the question's favourites: a token the question barely attends to is never picked
     assert picked <= set(flat.tolist())
+    # starts that take the whole budget leave nothing to the signal
+    whole = _select("cachetune:first:allocation=starts:start_share=1.0:signal=attended", adapter, layout, ratio)
+    alone = _select("cachetune:first:allocation=starts:start_share=1.0:signal=none", adapter, layout, ratio)
+    assert [w.tolist() for w in whole] == [a.tolist() for a in alone]
     with pytest.raises(ValueError, match="signal_pool"):
         make_method("cachetune:first:allocation=starts:signal=attended:signal_pool=0.5")
 

@@ -85,8 +85,10 @@ class RankedSelector(TokenSelector):
                 scores = value_deviation(request.adapter, request.layout, candidates, pipeline=request.pipeline)
             else:  # a pool of the question's favourites, a few times what the signal may pick
                 picks = budget - sum(t.numel() for t in taken)
-                candidates = top_attended(scores, taken, math.ceil(self.signal_pool * picks), signalled)
-                scores = attended_deviation(request.adapter, request.layout, scores, candidates, request.pipeline)
+                if picks:  # the starts take the whole budget: no deviation pass to pay for
+                    candidates = top_attended(scores, taken, math.ceil(self.signal_pool * picks), signalled)
+                    scores = attended_deviation(request.adapter, request.layout, scores, candidates,
+                                                request.pipeline)
         # Per-chunk allocations fill each chunk from its own scores, so a chunk the signal skips can
         # take its offline ones (their scale never meets the signal's).
         scores = [s if keep else o for s, o, keep in zip(scores, offline, signalled)]
