@@ -68,7 +68,7 @@ class RankedSelector(TokenSelector):
         if not any(signalled):  # every chunk goes by its offline ranking: no pass to pay for
             return allocate(offline, ratio, self.allocation, False, self.start_share), None
         prefilled = None
-        if self.signal in ("question", "attended"):  # the pass's first layers are kept: the prefill does not load them again
+        if self.signal in ("question", "attended"):  # the pass's layers are kept: the prefill does not load them
             scores, prefilled = question_attention(request.adapter, request.layout, self.signal_layers,
                                                    request.pipeline, request.capacity)
             scores = [position_weighted(s, self.decay) for s in scores]

@@ -12,7 +12,7 @@ of a prefill, so a selector can pick what depends on the question and on the nei
   layer-1 value moved, the deviation read only on the tokens the question attends to most (what a
   reused token costs the answer is roughly the attention it gets times the error in its value).
 
-Both count toward the request's time to first token. Scores compare across chunks.
+All count toward the request's time to first token. Scores compare across chunks.
 """
 
 from __future__ import annotations
