@@ -170,8 +170,8 @@ class EngineConfig:
         if self.signal not in SIGNALS:
             raise ValueError(f"signal must be one of {', '.join(SIGNALS)}, got {self.signal!r}")
         if self.allocation == "focus" and self.signal == "none":
-            raise ValueError("the focus allocation shares the budget by an online signal: set signal to question "
-                             "or deviation")
+            raise ValueError("the focus allocation shares the budget by an online signal: set signal to one of "
+                             + ", ".join(s for s in SIGNALS if s != "none"))
         if not 0 < self.alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
         for name in ("ratio", "min_ratio"):

@@ -161,7 +161,8 @@ class RankedSettings:
                 or not 1 <= self.signal_pool <= 100:
             raise ValueError(f"signal_pool must be a number in [1, 100], got {self.signal_pool!r}")
         if self.allocation == "focus" and self.signal == "none":
-            raise ValueError("the focus allocation needs an online signal (signal=question, deviation or attended)")
+            raise ValueError("the focus allocation needs an online signal (signal="
+                             + ", ".join(s for s in SIGNALS if s != "none") + ")")
         if self.allocation == "global" and self.signal == "none" and not get_ranker(self.ranking).global_budget:
             raise ValueError(f"the global allocation needs an online signal or a ranking that compares across "
                              f"chunks; {self.ranking!r} ranks each chunk alone")
