@@ -18,7 +18,9 @@ from cachetune.methods.prefix_cache import PrefixCache
 from cachetune.methods import SelectionRequest, SelectiveMethod, make_method, method_names, split_global_top
 from cachetune.methods.allocation import allocate, proportional_quotas
 from cachetune.methods.cacheslide import CacheSlideSelector
-from cachetune.methods.signals import position_weighted, question_attention, top_attended, value_deviation
+from cachetune.methods.signals import (observe_reuse, position_weighted, question_attention, signal_adapter,
+                                      top_attended, value_deviation)
+from cachetune.model.adapter import fast_bfloat16
 from conftest import assert_close, build_layout, hf_forward, none_selected, rand_ids
 
 TOL = 1e-4
@@ -115,7 +117,10 @@ SELECTION_VARIANTS = ["cachetune:first:allocation=equal", "cachetune:first:alloc
                       "cachetune:first:allocation=focus:signal=deviation",
                       "cachetune:first:allocation=starts:start_share=0.5:signal=attended",
                       "cachetune:first:allocation=focus:signal=attended:signal_pool=3",
-                      "cachetune:first:allocation=proportional:signal=attended:signal_pool=1"]
+                      "cachetune:first:allocation=proportional:signal=attended:signal_pool=1",
+                      "cachetune:first:allocation=focus:signal=question:signal_dtype=bfloat16",
+                      "cachetune:first:allocation=starts:start_share=0.5:signal=deviation:signal_dtype=bfloat16",
+                      "cachetune:first:allocation=starts:signal=attended:signal_dtype=auto"]
 
 
 @pytest.mark.parametrize("name", SELECTION_VARIANTS)
@@ -293,13 +298,13 @@ def test_question_signal_is_the_questions_attention_over_the_first_layers(llama,
     assert_close(expected, got[0], 1e-5, "question attention")
 
 
-@pytest.mark.parametrize("layers", [1, 3])
-def test_prefill_continuing_from_the_question_pass_equals_a_fresh_one(llama, layers):
+@pytest.mark.parametrize("layers,dtype", [(1, "model"), (3, "model"), (3, "bfloat16")])
+def test_prefill_continuing_from_the_question_pass_equals_a_fresh_one(llama, layers, dtype):
     """The question pass keeps its first layers' reused rows; the prefill that continues from them
-    gives the same KV and logits as one that loads everything itself."""
+    gives the same KV and logits as one that loads everything itself, whatever dtype the pass ran in."""
     _, adapter = llama
     layout, _ = build_layout(adapter, _parts())
-    scores, prefilled = question_attention(adapter, layout, layers, capacity=layout.total + 5)
+    scores, prefilled = question_attention(adapter, layout, layers, capacity=layout.total + 5, dtype=dtype)
     selections = allocate(scores, 0.3, "starts", comparable=True)
     fresh = selective_prefill(adapter, layout, selections, layout.total + 5)
     continued = selective_prefill(adapter, layout, selections, layout.total + 5, prefilled=prefilled)
@@ -307,6 +312,49 @@ def test_prefill_continuing_from_the_question_pass_equals_a_fresh_one(llama, lay
     n = layout.total
     assert torch.equal(fresh.cache.keys[:, :n], continued.cache.keys[:, :n])
     assert torch.equal(fresh.cache.values[:, :n], continued.cache.values[:, :n])
+
+
+def test_signals_in_bfloat16_approximate_their_float32_scores(llama):
+    """A signal's pass on layers cast to bfloat16 (signal_dtype) gives the float32 pass's scores
+    within bfloat16's precision, while the model itself stays float32."""
+    model, adapter = llama
+    layout, _ = build_layout(adapter, _parts())
+    exact, _ = question_attention(adapter, layout, 3)
+    approx, _ = question_attention(adapter, layout, 3, dtype="bfloat16")
+    assert_close(torch.cat(exact), torch.cat(approx), 2e-2, "question attention in bfloat16")
+    candidates = [torch.arange(0, seg.chunk.num_tokens, 3) for _, seg in layout.chunk_segments]
+    exact = value_deviation(adapter, layout, candidates)
+    approx = value_deviation(adapter, layout, candidates, dtype="bfloat16")
+    for e, a, c in zip(exact, approx, candidates):
+        assert_close(e[c], a[c], 5e-2, "deviation in bfloat16")
+        assert torch.isneginf(a[torch.ones(e.numel(), dtype=torch.bool).index_fill_(0, c, False)]).all()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    cast = adapter.cast(2, torch.bfloat16)
+    assert (cast.dtype, cast.num_layers, adapter.dtype) == (torch.bfloat16, 2, torch.float32)
+    assert cast.layers[0] is adapter.cast(3, torch.bfloat16).layers[0]  # cast once, shared
+    assert adapter.cast(3, torch.float32) is adapter
+
+
+def test_auto_signal_dtype_is_bfloat16_only_where_it_is_fast(llama):
+    _, adapter = llama
+    auto = signal_adapter(adapter, 2, "auto")
+    assert auto.dtype == (torch.bfloat16 if fast_bfloat16(adapter.device) else adapter.dtype)
+    assert signal_adapter(adapter, 2, "model") is adapter
+    with pytest.raises(ValueError, match="signal_dtype"):
+        make_method("cachetune:first:allocation=starts:signal=question:signal_dtype=int8")
+
+
+def test_an_observing_pass_skips_only_what_no_one_reads(llama):
+    """observe_reuse stops its last layer after K/V and observe: every layer's keys and the question's
+    queries it observes equal those of a pass that runs one layer more."""
+    _, adapter = llama
+    layout, _ = build_layout(adapter, _parts())
+    seen = {2: [], 3: []}
+    for layers in seen:
+        observe_reuse(adapter, layout, layers, lambda layer, q, keys, out=seen[layers]: out.append((q, keys)))
+    assert [len(seen[2]), len(seen[3])] == [2, 3]
+    for (q2, k2), (q3, k3) in zip(seen[2], seen[3]):
+        assert torch.equal(q2, q3) and torch.equal(k2, k3)
 
 
 def test_method_names_carry_settings():

@@ -15,8 +15,9 @@ from cachetune.methods.allocation import (ALLOCATIONS, PER_CHUNK, SIGNAL_TOKENS,
 from cachetune.methods.base import Method, NoSettings, RatioSettings, check_int, check_ratio, register
 from cachetune.methods.prefill import Prefilled
 from cachetune.methods.selector import SelectionRequest, SelectiveMethod, TokenSelector
-from cachetune.methods.signals import (SIGNAL_LAYERS, SIGNAL_POOL, attended_deviation, position_weighted,
-                                      question_attention, top_attended, value_deviation)
+from cachetune.methods.signals import (DEVIATION_LAYER, SIGNAL_DTYPE, SIGNAL_DTYPES, SIGNAL_LAYERS, SIGNAL_POOL,
+                                      attended_deviation, position_weighted, question_attention, signal_adapter,
+                                      top_attended, value_deviation)
 
 
 class RankedSelector(TokenSelector):
@@ -37,8 +38,8 @@ class RankedSelector(TokenSelector):
     chunk's share continues its starts; `decay` weighs the question's scores down with the in-chunk
     position. `signal_max_chunk`: under a per-chunk allocation (PER_CHUNK), the signal picks only in
     chunks of at most this many tokens; a longer chunk's share goes by its offline ranking, and a
-    request with no such chunk skips the signal's pass (None: every chunk). `ranker` None: the
-    engine's default.
+    request with no such chunk skips the signal's pass (None: every chunk). `signal_dtype`: the dtype
+    the signal's passes run in (methods.signals.SIGNAL_DTYPES). `ranker` None: the engine's default.
     """
 
     reads_ranking = True
@@ -47,11 +48,19 @@ class RankedSelector(TokenSelector):
                  allocation: str = "proportional", start_share: float = START_SHARE, signal: str | None = None,
                  signal_layers: int = SIGNAL_LAYERS, decay: float = 0.0,
                  signal_tokens: int | None = SIGNAL_TOKENS, signal_max_chunk: int | None = None,
-                 signal_pool: float = SIGNAL_POOL):
+                 signal_pool: float = SIGNAL_POOL, signal_dtype: str = SIGNAL_DTYPE):
         self.name, self.ranker, self.drops_unselected = name, ranker, drops_unselected
         self.allocation, self.start_share = allocation, start_share
         self.signal, self.signal_layers, self.decay = signal, signal_layers, decay
         self.signal_tokens, self.signal_max_chunk, self.signal_pool = signal_tokens, signal_max_chunk, signal_pool
+        self.signal_dtype = signal_dtype
+
+    def prepare(self, adapter) -> None:
+        if self.signal is not None:  # cast the layers the passes read now, not in a request's time
+            deviation = DEVIATION_LAYER + 1  # the layers below the compared one, and its projection
+            reads = {"question": self.signal_layers, "deviation": deviation}.get(
+                self.signal, max(self.signal_layers, deviation))
+            signal_adapter(adapter, reads, self.signal_dtype)
 
     def select(self, request: SelectionRequest, ratio: float) -> list[torch.Tensor]:
         return self.choose(request, ratio)[0]
@@ -70,7 +79,7 @@ class RankedSelector(TokenSelector):
         prefilled = None
         if self.signal in ("question", "attended"):  # the pass's layers are kept: the prefill does not load them
             scores, prefilled = question_attention(request.adapter, request.layout, self.signal_layers,
-                                                   request.pipeline, request.capacity)
+                                                   request.pipeline, request.capacity, self.signal_dtype)
             scores = [position_weighted(s, self.decay) for s in scores]
         if self.signal in ("deviation", "attended"):  # read on the tokens the starts leave
             share = self.start_share if self.allocation in WITH_STARTS else 0.0
@@ -82,13 +91,14 @@ class RankedSelector(TokenSelector):
                     free = torch.ones(s.numel(), dtype=torch.bool)
                     free[t] = False
                     candidates.append(free.nonzero().flatten() if keep else torch.empty(0, dtype=torch.int64))
-                scores = value_deviation(request.adapter, request.layout, candidates, pipeline=request.pipeline)
+                scores = value_deviation(request.adapter, request.layout, candidates, pipeline=request.pipeline,
+                                         dtype=self.signal_dtype)
             else:  # a pool of the question's favourites, a few times what the signal may pick
                 picks = budget - sum(t.numel() for t in taken)
                 if picks:  # the starts take the whole budget: no deviation pass to pay for
                     candidates = top_attended(scores, taken, math.ceil(self.signal_pool * picks), signalled)
                     scores = attended_deviation(request.adapter, request.layout, scores, candidates,
-                                                request.pipeline)
+                                                request.pipeline, self.signal_dtype)
         # Per-chunk allocations fill each chunk from its own scores, so a chunk the signal skips can
         # take its offline ones (their scale never meets the signal's).
         scores = [s if keep else o for s, o, keep in zip(scores, offline, signalled)]
@@ -141,6 +151,7 @@ class RankedSettings:
     signal_tokens: int | None = SIGNAL_TOKENS    # spread, focus: at most this many signal picks per chunk (None: no cap)
     signal_max_chunk: int | None = None          # the signal picks only in chunks up to this length (None: all)
     signal_pool: float = SIGNAL_POOL             # attended: deviation read on this many times the signal's picks
+    signal_dtype: str = SIGNAL_DTYPE             # dtype of the signal's passes (auto: bfloat16 where it is fast)
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
@@ -160,6 +171,8 @@ class RankedSettings:
         if isinstance(self.signal_pool, bool) or not isinstance(self.signal_pool, (int, float)) \
                 or not 1 <= self.signal_pool <= 100:
             raise ValueError(f"signal_pool must be a number in [1, 100], got {self.signal_pool!r}")
+        if self.signal_dtype not in SIGNAL_DTYPES:
+            raise ValueError(f"signal_dtype must be one of {', '.join(SIGNAL_DTYPES)}, got {self.signal_dtype!r}")
         if self.allocation == "focus" and self.signal == "none":
             raise ValueError("the focus allocation needs an online signal (signal="
                              + ", ".join(s for s in SIGNALS if s != "none") + ")")
@@ -186,7 +199,8 @@ def _cachetune(settings: RankedSettings) -> Method:
                                           signal_layers=settings.signal_layers, decay=settings.decay,
                                           signal_tokens=settings.signal_tokens,
                                           signal_max_chunk=settings.signal_max_chunk,
-                                          signal_pool=settings.signal_pool), settings)
+                                          signal_pool=settings.signal_pool,
+                                          signal_dtype=settings.signal_dtype), settings)
 
 
 @register("full_reuse", summary="nothing but uncached text (r = 0)")

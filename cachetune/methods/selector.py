@@ -63,6 +63,11 @@ class TokenSelector(ABC):
         prefill continues from instead of loading those layers again (default: no pass, None)."""
         return self.select(request, ratio), None
 
+    def prepare(self, adapter: ModelAdapter) -> None:
+        """Untimed, idempotent work before the selector serves with `adapter` (a signal's cast
+        layers); default none."""
+        return None
+
     def fusion(self, request: SelectionRequest, selections: list[torch.Tensor]) -> FuseFn | None:
         """Optional: how recomputed K/V are blended with the stored ones (CacheSlide); None = replace."""
         return None
@@ -90,6 +95,7 @@ class SelectiveMethod(Method):
         return getattr(self.settings, "ratio", 0.0)
 
     def prepare(self, ctx: MethodContext, chunk: StoredChunk) -> None:
+        self.selector.prepare(ctx.adapter)
         if self.selector.reads_ranking:  # computed once per chunk and kept, so requests never pay it
             ctx.rankings.scores(chunk, self.selector.ranker)
 

@@ -21,7 +21,7 @@ import torch
 
 from cachetune.methods.layout import PromptLayout
 from cachetune.methods.prefill import Prefilled, reuse_plan
-from cachetune.model.adapter import ModelAdapter
+from cachetune.model.adapter import ModelAdapter, fast_bfloat16
 from cachetune.runtime.forward import ObserveFn, forward_active
 from cachetune.runtime.kv_cache import KVCache
 from cachetune.runtime.loading import LayerLoader, Pipeline
@@ -32,6 +32,21 @@ SIGNAL_LAYERS = 4
 # The `attended` signal reads the deviation on this many times the tokens it may pick (the question's
 # top-attended ones): the deviation pass costs |candidates| / N of a layer, so the pool stays small.
 SIGNAL_POOL = 2.0
+# The layer whose values the deviation signal compares (CacheBlend's; its pass runs the layers below).
+DEVIATION_LAYER = 1
+# The dtype a signal's pass runs in: "model" (the model's own), a DTYPES name, or "auto" (bfloat16
+# where it is fast, else the model's). A signal only ranks tokens, so it needs no float32 precision.
+SIGNAL_DTYPES = ("model", "auto", "float32", "bfloat16", "float16")
+SIGNAL_DTYPE = "model"
+
+
+def signal_adapter(adapter: ModelAdapter, layers: int, dtype: str) -> ModelAdapter:
+    """The adapter a signal pass over layers [0, layers) runs on, in `dtype` (SIGNAL_DTYPES)."""
+    if dtype not in SIGNAL_DTYPES:
+        raise ValueError(f"unknown signal dtype {dtype!r}; known: {', '.join(SIGNAL_DTYPES)}")
+    if dtype == "model" or (dtype == "auto" and not fast_bfloat16(adapter.device)):
+        return adapter
+    return adapter.cast(layers, torch.bfloat16 if dtype == "auto" else getattr(torch, dtype))
 
 
 class QuestionAttention:
@@ -72,12 +87,13 @@ def per_chunk(layout: PromptLayout, row: torch.Tensor) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def observe_reuse(adapter: ModelAdapter, layout: PromptLayout, layers: int, observe: ObserveFn,
-                  pipeline: Pipeline = Pipeline(), capacity: int = 0) -> Prefilled:
-    """Run the uncached text over the fully reused chunks through layers [0, layers) for `observe`.
+                  pipeline: Pipeline = Pipeline(), capacity: int = 0, dtype: str = "model") -> Prefilled:
+    """Run the uncached text over the fully reused chunks through layers [0, layers) for `observe`,
+    computing in `dtype` (SIGNAL_DTYPES; observe sees q and keys in the model's dtype).
 
-    Returns the pass's cache (every layer allocated, `capacity` rows at least): its first `layers`
-    layers hold every chunk row, so a selective prefill can continue from it instead of loading them
-    again (methods.prefill.Prefilled)."""
+    Returns the pass's cache (every layer allocated, `capacity` rows at least, the model's dtype):
+    its first `layers` layers hold every chunk row exactly as stored, so a selective prefill can
+    continue from it instead of loading them again (methods.prefill.Prefilled)."""
     layers = max(1, min(layers, adapter.num_layers))
     none = [torch.empty(0, dtype=torch.int64) for _ in layout.chunk_segments]
     active_pos, parts, _ = reuse_plan(layout, none)
@@ -85,9 +101,10 @@ def observe_reuse(adapter: ModelAdapter, layout: PromptLayout, layers: int, obse
     cache = KVCache.empty(adapter.num_layers, max(capacity, layout.total), adapter.num_kv_heads, adapter.head_dim,
                           adapter.dtype, device)
     shape = (layers, adapter.num_kv_heads, adapter.head_dim)
+    run = signal_adapter(adapter, layers, dtype)
     with LayerLoader(parts, shape, device, adapter.dtype, pipeline) as loader:
-        forward_active(adapter, adapter.embed(layout.input_ids[active_pos].to(device)), active_pos.to(device),
-                       cache, reused=loader, observe=observe, layers=range(layers))
+        forward_active(run, run.embed(layout.input_ids[active_pos].to(device)), active_pos.to(device),
+                       cache, reused=loader, observe=observe, layers=range(layers), last_output=False)
     return Prefilled(cache, layers)
 
 
@@ -102,33 +119,36 @@ def position_weighted(scores: torch.Tensor, decay: float) -> torch.Tensor:
 
 
 def question_attention(adapter: ModelAdapter, layout: PromptLayout, layers: int, pipeline: Pipeline = Pipeline(),
-                       capacity: int = 0) -> tuple[list[torch.Tensor], Prefilled]:
+                       capacity: int = 0, dtype: str = "model") -> tuple[list[torch.Tensor], Prefilled]:
     """Per chunk [N_i]: the question's attention to each token, averaged over heads, question positions
     and layers [0, layers), with every chunk token reused (all layers: ProphetKV's score); and the
-    pass's cache (see observe_reuse)."""
+    pass's cache (see observe_reuse). `dtype`: the pass's (SIGNAL_DTYPES)."""
     observer = QuestionAttention(adapter, layout)
-    prefilled = observe_reuse(adapter, layout, layers, observer, pipeline, capacity)
+    prefilled = observe_reuse(adapter, layout, layers, observer, pipeline, capacity, dtype)
     return per_chunk(layout, observer.mean()), prefilled
 
 
 @torch.no_grad()
 def value_deviation(adapter: ModelAdapter, layout: PromptLayout, candidates: list[torch.Tensor],
-                    check_layer: int = 1, pipeline: Pipeline = Pipeline()) -> list[torch.Tensor]:
+                    check_layer: int = DEVIATION_LAYER, pipeline: Pipeline = Pipeline(), dtype: str = "model") -> list[torch.Tensor]:
     """Per chunk [N_i]: how far each candidate's value at `check_layer` moves from the stored one when
     it runs the layers below in context (squared L2); -inf for tokens that are not candidates.
 
     Only the candidates and the uncached text run; everyone else's KV below the check layer is
     reused. At check_layer 1 that is exact (layer-0 K/V do not depend on context); above it, an
-    approximation of CacheBlend's score, which runs every token in full below the check layer."""
+    approximation of CacheBlend's score, which runs every token in full below the check layer.
+    `dtype` (SIGNAL_DTYPES): the pass's computation; the stored values are compared in float32."""
     check = max(1, min(check_layer, adapter.num_layers - 1))
+    run = signal_adapter(adapter, check + 1, dtype)
     active_pos, parts, _ = reuse_plan(layout, candidates)
     device = adapter.device
-    cache = KVCache.empty(check, layout.total, adapter.num_kv_heads, adapter.head_dim, adapter.dtype, device)
+    # The pass's cache is thrown away, so it is kept in the pass's dtype (its attention runs there too).
+    cache = KVCache.empty(check, layout.total, adapter.num_kv_heads, adapter.head_dim, run.dtype, device)
     shape = (check, adapter.num_kv_heads, adapter.head_dim)
-    with LayerLoader(parts, shape, device, adapter.dtype, pipeline) as loader:
-        hidden = forward_active(adapter, adapter.embed(layout.input_ids[active_pos].to(device)),
+    with LayerLoader(parts, shape, device, run.dtype, pipeline) as loader:
+        hidden = forward_active(run, run.embed(layout.input_ids[active_pos].to(device)),
                                 active_pos.to(device), cache, reused=loader, layers=range(check))
-    _, _, v = adapter.project_qkv(check, hidden)  # [T, Hkv, D], T = active tokens in position order
+    _, _, v = run.project_qkv(check, hidden)  # [T, Hkv, D], T = active tokens in position order
     where = torch.full((layout.total,), -1, dtype=torch.int64)
     where[active_pos] = torch.arange(active_pos.numel())
     out = []
@@ -160,10 +180,11 @@ def top_attended(attention: list[torch.Tensor], taken: list[torch.Tensor], count
 
 
 def attended_deviation(adapter: ModelAdapter, layout: PromptLayout, attention: list[torch.Tensor],
-                       candidates: list[torch.Tensor], pipeline: Pipeline = Pipeline()) -> list[torch.Tensor]:
+                       candidates: list[torch.Tensor], pipeline: Pipeline = Pipeline(),
+                       dtype: str = "model") -> list[torch.Tensor]:
     """Per chunk [N_i]: attention x the L2 norm of the layer-1 value deviation (value_deviation) on
     the candidates, -inf elsewhere. attention: the question's, one [N_i] vector per chunk."""
-    deviation = value_deviation(adapter, layout, candidates, pipeline=pipeline)
+    deviation = value_deviation(adapter, layout, candidates, pipeline=pipeline, dtype=dtype)
     out = []
     for a, d, c in zip(attention, deviation, candidates):
         scores = torch.full((a.numel(),), float("-inf"))

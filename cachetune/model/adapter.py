@@ -11,6 +11,7 @@ Tensors here have no batch dimension: hidden [T, hidden], q [T, Hq, D], k/v [T, 
 
 from __future__ import annotations
 
+import copy
 import importlib
 from dataclasses import dataclass
 
@@ -19,6 +20,18 @@ from transformers import PreTrainedModel
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}
+
+
+def fast_bfloat16(device: torch.device) -> bool:
+    """Whether bfloat16 matrix products run faster than float32 here: a GPU that supports it, or a CPU
+    with AMX or AVX512-BF16 (several times faster there; on an AVX2-only CPU, slower)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    cpu = torch.cpu
+    checks = (getattr(cpu, "_is_amx_tile_supported", None), getattr(cpu, "_is_avx512_bf16_supported", None))
+    return any(check() for check in checks if check is not None)
 
 
 class UnsupportedModelError(ValueError):
@@ -54,6 +67,8 @@ class ModelAdapter:
         self.config = config
         self.backbone = model.model
         self.layers = list(self.backbone.layers[: config.num_hidden_layers])
+        self.cast_dtype: torch.dtype | None = None  # set on a cast copy (see cast); None: the weights'
+        self._casts: dict[torch.dtype, list] = {}   # layers cast to a dtype, first ones first
         attn = self.layers[0].self_attn
         self.num_layers = len(self.layers)
         self.head_dim = attn.head_dim
@@ -84,15 +99,33 @@ class ModelAdapter:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.backbone.embed_tokens.weight.dtype
+        return self.cast_dtype or self.backbone.embed_tokens.weight.dtype
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> hidden [T, hidden] (Gemma's scaled embedding is part of its module)."""
-        return self.backbone.embed_tokens(ids.to(self.device))
+        return self.backbone.embed_tokens(ids.to(self.device)).to(self.dtype)
 
-    def rope_tables(self, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
-        """cos/sin [T, D] at `positions` for every RoPE kind the layers use, in the model dtype."""
-        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+    def cast(self, layers: int, dtype: torch.dtype) -> ModelAdapter:
+        """An adapter over this model's first `layers` layers with their weights cast to `dtype`, for
+        passes that need only an approximate answer (a selection signal): bfloat16 runs several times
+        faster than float32 on GPUs and AMX CPUs. The cast layers are made once and kept (memory:
+        `layers` layers at dtype's size); embedding and rotary tables are shared, their outputs cast.
+        `layers` at most num_layers; this adapter itself when nothing would change."""
+        layers = max(1, min(layers, self.num_layers))
+        if dtype == self.dtype:
+            return self
+        cast = self._casts.setdefault(dtype, [])
+        for layer in self.layers[len(cast):layers]:  # copy one layer at a time: no full-size transient
+            cast.append(copy.deepcopy(layer).to(dtype))
+        view = copy.copy(self)
+        view.layers, view.num_layers, view.layer_info = cast[:layers], layers, self.layer_info[:layers]
+        view.cast_dtype, view._casts = dtype, {}
+        return view
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype | None = None
+                    ) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin [T, D] at `positions` for every RoPE kind the layers use, in `dtype` (None: the model's)."""
+        probe = torch.empty(0, dtype=dtype or self.dtype, device=self.device)
         pos = positions.view(1, -1)
         tables = {}
         for kind in {info.rope_kind for info in self.layer_info}:

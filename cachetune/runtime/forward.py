@@ -66,6 +66,7 @@ def forward_active(
     layers: range | None = None,
     fuse: FuseFn | None = None,
     attention: AttentionFn | None = None,
+    last_output: bool = True,
 ) -> torch.Tensor:
     """Run layers for the active tokens and fill `cache` up to max(rows) + 1.
 
@@ -78,7 +79,12 @@ def forward_active(
     attention and MLP for the last token alone, since nothing reads the other outputs.
     `layers` runs a contiguous sub-range (default all): `hidden` must then be the input of its first
     layer, and the output is that of its last (CacheBlend's check layer runs layer 0 alone).
-    `attention` replaces the default causal attention (APE).
+    `attention` replaces the default causal attention (APE). `last_output` False: the last of
+    `layers` only writes its K/V and calls `observe` (a pass that observes reads no output from it),
+    and the result is that layer's input.
+    The cache may hold another dtype than the adapter computes in (a signal pass on cast layers over
+    a float32 cache): K/V are cast as they are written and attention runs in the cache's dtype, so
+    reused rows stay exact for a prefill that continues from the cache.
     """
     end = int(rows[-1]) + 1
     cache.ensure_capacity(end)
@@ -86,12 +92,13 @@ def forward_active(
     last = adapter.num_layers - 1
     # Everything that depends only on positions is computed once, not per layer.
     rr = reused.rows if reused is not None and reused.rows.numel() else None
+    kv_dtype = cache.keys.dtype
     active_rope = adapter.rope_tables(cache.positions[rows])
-    reused_rope = adapter.rope_tables(cache.positions[rr]) if rr is not None else {}
+    reused_rope = adapter.rope_tables(cache.positions[rr], kv_dtype) if rr is not None else {}
     groups = adapter.num_heads // adapter.num_kv_heads
-    plan = plan_blocks(rows, groups, adapter.dtype) if attention is None else None
+    plan = plan_blocks(rows, groups, kv_dtype) if attention is None else None
     last_rows = rows[-1:] if last_only else rows
-    last_plan = plan_blocks(last_rows, groups, adapter.dtype) if last_only and attention is None else plan
+    last_plan = plan_blocks(last_rows, groups, kv_dtype) if last_only and attention is None else plan
 
     def rotate_reused(layer: int, keys: torch.Tensor) -> torch.Tensor:
         return adapter.rotate(keys, *reused_rope[adapter.layer_info[layer].rope_kind])
@@ -110,11 +117,13 @@ def forward_active(
         if fuse is not None:
             k, v = fuse(layer, k, v)
         qcos, qsin = active_rope[info.rope_kind]
-        q = adapter.rotate(q, qcos, qsin)
-        cache.keys[layer].index_copy_(0, rows, adapter.rotate(k, qcos, qsin))
-        cache.values[layer].index_copy_(0, rows, v)
+        q = adapter.rotate(q, qcos, qsin).to(kv_dtype)
+        cache.keys[layer].index_copy_(0, rows, adapter.rotate(k, qcos, qsin).to(kv_dtype))
+        cache.values[layer].index_copy_(0, rows, v.to(kv_dtype))
         if observe is not None:
             observe(layer, q, cache.keys[layer, :end])
+        if layer == layers[-1] and not last_output:
+            break
         q_rows, layer_plan = rows, plan
         if layer == last and last_only:
             q, hidden, q_rows, layer_plan = q[-1:], hidden[-1:], last_rows, last_plan
@@ -125,7 +134,7 @@ def forward_active(
                 q, cache.keys[layer, :end], cache.values[layer, :end], q_rows, info.scale, info.sliding_window,
                 plan=layer_plan,
             )
-        hidden = adapter.finish_layer(layer, hidden, attn)
+        hidden = adapter.finish_layer(layer, hidden, attn.to(hidden.dtype))
     cache.length = max(cache.length, end)
     return hidden
 
