@@ -12,5 +12,8 @@ DEFAULT=cachetune:first:allocation=spread:start_share=0.75:signal=question:signa
 CANDIDATE=cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=6:signal_tokens=4
 STARTS=cachetune:first:allocation=spread:start_share=0.75:signal=none
 FOCUS=cachetune:first:allocation=focus:start_share=0.8:signal=question:signal_layers=4:signal_tokens=4
+# DRIFT (twenty-fifth session): half the budget on chunk starts, the rest the tokens whose layer-1
+# values drift most in context (CacheBlend's deviation), the pass run in bfloat16 on cast layers.
+DRIFT=cachetune:first:allocation=starts:start_share=0.5:signal=deviation:signal_dtype=bfloat16
 # The methods the first bar orders, and the reference points beside them.
 BAR_METHODS=full_reuse,epic,cacheblend,prophetkv,$FIRST,$DEFAULT,$CANDIDATE,$STARTS,$FOCUS

@@ -51,7 +51,7 @@ def test_positions_off_by_one_past_a_point_are_refused(llama, monkeypatch):
     """RoPE tables at position+1 for positions >= 40 (a uniform shift would be harmless: RoPE is relative)."""
     _, adapter = llama
     original = adapter.rope_tables
-    monkeypatch.setattr(adapter, "rope_tables", lambda pos: original(pos + (pos >= 40).long()))
+    monkeypatch.setattr(adapter, "rope_tables", lambda pos, dtype=None: original(pos + (pos >= 40).long(), dtype))
     with pytest.raises(ReuseRefusedError):
         run_self_check(adapter, "fp", VOCAB)
 
@@ -60,7 +60,7 @@ def test_uniform_position_shift_is_harmless(llama, monkeypatch):
     """Control for the test above: rotating everything at position+1 changes nothing (relative RoPE)."""
     _, adapter = llama
     original = adapter.rope_tables
-    monkeypatch.setattr(adapter, "rope_tables", lambda pos: original(pos + 1))
+    monkeypatch.setattr(adapter, "rope_tables", lambda pos, dtype=None: original(pos + 1, dtype))
     assert run_self_check(adapter, "fp", VOCAB) < 1e-4
 
 
