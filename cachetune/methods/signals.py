@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from cachetune.config import DTYPES
 from cachetune.methods.layout import PromptLayout
 from cachetune.methods.prefill import Prefilled, reuse_plan
 from cachetune.model.adapter import ModelAdapter, fast_bfloat16
@@ -36,7 +37,7 @@ SIGNAL_POOL = 2.0
 DEVIATION_LAYER = 1
 # The dtype a signal's pass runs in: "model" (the model's own), a DTYPES name, or "auto" (bfloat16
 # where it is fast, else the model's). A signal only ranks tokens, so it needs no float32 precision.
-SIGNAL_DTYPES = ("model", "auto", "float32", "bfloat16", "float16")
+SIGNAL_DTYPES = ("model", "auto", *DTYPES)
 SIGNAL_DTYPE = "model"
 
 
@@ -46,7 +47,7 @@ def signal_adapter(adapter: ModelAdapter, layers: int, dtype: str) -> ModelAdapt
         raise ValueError(f"unknown signal dtype {dtype!r}; known: {', '.join(SIGNAL_DTYPES)}")
     if dtype == "model" or (dtype == "auto" and not fast_bfloat16(adapter.device)):
         return adapter
-    return adapter.cast(layers, torch.bfloat16 if dtype == "auto" else getattr(torch, dtype))
+    return adapter.cast(layers, torch.bfloat16 if dtype == "auto" else DTYPES[dtype])
 
 
 class QuestionAttention:
@@ -130,7 +131,8 @@ def question_attention(adapter: ModelAdapter, layout: PromptLayout, layers: int,
 
 @torch.no_grad()
 def value_deviation(adapter: ModelAdapter, layout: PromptLayout, candidates: list[torch.Tensor],
-                    check_layer: int = DEVIATION_LAYER, pipeline: Pipeline = Pipeline(), dtype: str = "model") -> list[torch.Tensor]:
+                    check_layer: int = DEVIATION_LAYER, pipeline: Pipeline = Pipeline(),
+                    dtype: str = "model") -> list[torch.Tensor]:
     """Per chunk [N_i]: how far each candidate's value at `check_layer` moves from the stored one when
     it runs the layers below in context (squared L2); -inf for tokens that are not candidates.
 
