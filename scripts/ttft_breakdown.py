@@ -2,10 +2,13 @@
 
 Every method runs on one example, interleaved, `--repeats` times after an untimed warm-up; the table
 gives the median TTFT (and its ratio to the first method's), the median time inside
-`sparse_causal_attention`, and per prefill the attention kernel blocks, queries and query-key products
+`sparse_causal_attention` and inside the question's pass (`question_attention`, as the `question`
+signal and ProphetKV run it; 0 for methods without one), and per prefill the attention kernel blocks, queries and query-key products
 (summed over layers; unmasked prefix products plus the masked products of scattered blocks).
+`--profile-pass` then runs each method once more with its question pass under the CPU profiler and
+prints the pass's top ops.
 
-    python scripts/ttft_breakdown.py --data musique --row 100 METHOD [METHOD ...]
+    python scripts/ttft_breakdown.py --data musique --row 100 [--profile-pass] METHOD [METHOD ...]
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ import statistics
 import time
 from collections import Counter
 
+import torch
+
+import cachetune.methods.prophetkv as prophetkv
+import cachetune.methods.ranked as ranked
 import cachetune.runtime.forward as forward
 from cachetune.config import EngineConfig
 from cachetune.engine.engine import Engine
@@ -23,6 +30,8 @@ from cachetune.eval.harness import Variant, prepare
 
 _counts: Counter = Counter()
 _attention = forward.sparse_causal_attention
+_question_attention = ranked.question_attention
+_profile_pass = [False]
 
 
 def _counted_attention(q, k, v, q_pos, scale, sliding_window=None, plan=None):
@@ -40,6 +49,19 @@ def _counted_attention(q, k, v, q_pos, scale, sliding_window=None, plan=None):
     return out
 
 
+def _counted_pass(*args, **kwargs):
+    """The question's pass, timed (and profiled under --profile-pass)."""
+    start = time.perf_counter()
+    if not _profile_pass[0]:
+        out = _question_attention(*args, **kwargs)
+    else:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = _question_attention(*args, **kwargs)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+    _counts["pass_ms"] += (time.perf_counter() - start) * 1e3
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("methods", nargs="+")
@@ -49,8 +71,10 @@ def main() -> None:
     p.add_argument("--row", type=int, default=100)
     p.add_argument("--ratio", type=float, default=EngineConfig.ratio)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--profile-pass", action="store_true", help="then profile each method's question pass")
     args = p.parse_args()
     forward.sparse_causal_attention = _counted_attention
+    ranked.question_attention = prophetkv.question_attention = _counted_pass
     engine = Engine.from_pretrained(config=EngineConfig(model=args.model, threads=args.threads))
     example = load_dataset(args.data, args.row + 1)[args.row]
     variants = [Variant(m, m, args.ratio) for m in args.methods]
@@ -64,16 +88,22 @@ def main() -> None:
             _, ms = req.start(v, 1)
             runs[v.label].append((ms, Counter(_counts)))
     print(f"{args.data} row {args.row} ({example.id}), r = {args.ratio}, median of {args.repeats}\n")
-    print("| method | TTFT ms | / first method | attention ms | blocks | queries | products (M) | masked (M) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| method | TTFT ms | / first method | attention ms | question pass ms | blocks | queries | products (M) "
+          "| masked (M) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     base = None
     for label, rows in runs.items():
         ttft = statistics.median(ms for ms, _ in rows)
         base = base or ttft
         attention = statistics.median(c["attention_ms"] for _, c in rows)
+        signal_pass = statistics.median(c["pass_ms"] for _, c in rows)
         c = rows[-1][1]
-        print(f"| {label} | {ttft:.0f} | {ttft / base:.3f} | {attention:.0f} | {c['blocks']} | {c['queries']} "
-              f"| {c['products'] / 1e6:.2f} | {c['masked'] / 1e6:.2f} |")
+        print(f"| {label} | {ttft:.0f} | {ttft / base:.3f} | {attention:.0f} | {signal_pass:.0f} | {c['blocks']} "
+              f"| {c['queries']} | {c['products'] / 1e6:.2f} | {c['masked'] / 1e6:.2f} |")
+    _profile_pass[0] = args.profile_pass
+    for v in variants if args.profile_pass else []:
+        print(f"\n{v.label}: its question pass's top ops, if it has one", flush=True)
+        req.start(v, 1)
 
 
 if __name__ == "__main__":
