@@ -6,9 +6,10 @@ gives the median TTFT (and its ratio to the first method's), the median time ins
 signal and ProphetKV run it; 0 for methods without one), and per prefill the attention kernel blocks, queries and query-key products
 (summed over layers; unmasked prefix products plus the masked products of scattered blocks).
 `--profile-pass` then runs each method once more with its question pass under the CPU profiler and
-prints the pass's top ops.
+prints the pass's top ops; `--profile-request` does so for each method's whole request (what a
+method adds to `first`'s time, op by op).
 
-    python scripts/ttft_breakdown.py --data musique --row 100 [--profile-pass] METHOD [METHOD ...]
+    python scripts/ttft_breakdown.py --data musique --row 100 [--profile-pass] [--profile-request] METHOD [...]
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main() -> None:
     p.add_argument("--ratio", type=float, default=EngineConfig.ratio)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--profile-pass", action="store_true", help="then profile each method's question pass")
+    p.add_argument("--profile-request", action="store_true", help="then profile each method's whole request")
     args = p.parse_args()
     forward.sparse_causal_attention = _counted_attention
     ranked.question_attention = prophetkv.question_attention = _counted_pass
@@ -104,6 +106,12 @@ def main() -> None:
     for v in variants if args.profile_pass else []:
         print(f"\n{v.label}: its question pass's top ops, if it has one", flush=True)
         req.start(v, 1)
+    _profile_pass[0] = False
+    for v in variants if args.profile_request else []:
+        print(f"\n{v.label}: its whole request's top ops", flush=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            req.start(v, 1)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
 
 
 if __name__ == "__main__":
