@@ -3,8 +3,9 @@
 Every method runs on one example, interleaved, `--repeats` times after an untimed warm-up; the table
 gives the median TTFT (and its ratio to the first method's), the median time inside
 `sparse_causal_attention` and inside the question's pass (`question_attention`, as the `question`
-signal and ProphetKV run it; 0 for methods without one), and per prefill the attention kernel blocks, queries and query-key products
-(summed over layers; unmasked prefix products plus the masked products of scattered blocks).
+signal and ProphetKV run it; 0 for methods without one), and per request the attention kernel blocks,
+queries and query-key products (summed over layers, the question pass's own included; unmasked prefix
+products plus the masked products of scattered blocks).
 `--profile-pass` then runs each method once more with its question pass under the CPU profiler and
 prints the pass's top ops; `--profile-request` does so for each method's whole request (what a
 method adds to `first`'s time, op by op).
@@ -50,15 +51,21 @@ def _counted_attention(q, k, v, q_pos, scale, sliding_window=None, plan=None):
     return out
 
 
+def _top_ops(run, rows: int):
+    """run() under the CPU profiler; prints its `rows` top ops by self time and returns its result."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = run()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows), flush=True)
+    return out
+
+
 def _counted_pass(*args, **kwargs):
     """The question's pass, timed (and profiled under --profile-pass)."""
     start = time.perf_counter()
     if not _profile_pass[0]:
         out = _question_attention(*args, **kwargs)
     else:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            out = _question_attention(*args, **kwargs)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+        out = _top_ops(lambda: _question_attention(*args, **kwargs), 12)
     _counts["pass_ms"] += (time.perf_counter() - start) * 1e3
     return out
 
@@ -109,9 +116,7 @@ def main() -> None:
     _profile_pass[0] = False
     for v in variants if args.profile_request else []:
         print(f"\n{v.label}: its whole request's top ops", flush=True)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            req.start(v, 1)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
+        _top_ops(lambda: req.start(v, 1), 20)
 
 
 if __name__ == "__main__":
