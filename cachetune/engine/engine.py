@@ -185,8 +185,9 @@ class Engine:
 
         A chunk no tier could take (all full of chunks in use, a shared tier down) is kept in the
         fallback memory (config.fallback_bytes), so an outage costs one encoding per chunk, not one per
-        request; it is offered to the tiers again at most once a second and leaves the fallback once
-        they hold it."""
+        request. On its next use it is offered to the tiers again and leaves the fallback once they hold
+        it; after an offer they refused, none is offered for a second (a dead tier is not retried on every
+        lookup), while once one is taken the rest follow as they are used."""
         with self._lock:
             stored = self._lookup(cid) or self._from_fallback(cid)
             tokens = self._tokens.get(cid)
@@ -206,10 +207,10 @@ class Engine:
         now = time.monotonic()
         if kept is None or now < self._fallback_retry_at:
             return kept
-        self._fallback_retry_at = now + 1.0
         self.store.put(kept.encoded())
         stored = self._lookup(cid)
         if stored is None:
+            self._fallback_retry_at = now + 1.0
             return kept
         self.fallback.remove(cid)  # a tier holds it again
         return stored
