@@ -120,7 +120,8 @@ SELECTION_VARIANTS = ["cachetune:first:allocation=equal", "cachetune:first:alloc
                       "cachetune:first:allocation=proportional:signal=attended:signal_pool=1",
                       "cachetune:first:allocation=focus:signal=question:signal_dtype=bfloat16",
                       "cachetune:first:allocation=starts:start_share=0.5:signal=deviation:signal_dtype=bfloat16",
-                      "cachetune:first:allocation=starts:signal=attended:signal_dtype=auto"]
+                      "cachetune:first:allocation=starts:signal=attended:signal_dtype=auto",
+                      "cachetune:first:allocation=focus:start_share=0.5:signal=question:signal_dtype=int8"]
 
 
 @pytest.mark.parametrize("name", SELECTION_VARIANTS)
@@ -341,7 +342,27 @@ def test_auto_signal_dtype_is_bfloat16_only_where_it_is_fast(llama):
     assert auto.dtype == (torch.bfloat16 if fast_bfloat16(adapter.device) else adapter.dtype)
     assert signal_adapter(adapter, 2, "model") is adapter
     with pytest.raises(ValueError, match="signal_dtype"):
-        make_method("cachetune:first:allocation=starts:signal=question:signal_dtype=int8")
+        make_method("cachetune:first:allocation=starts:signal=question:signal_dtype=int4")
+
+
+def test_signals_with_int8_weights_approximate_their_float32_scores(llama):
+    """signal_dtype=int8: the pass's linear layers in int8 (on a CPU), scores within int8's precision
+    of the float32 pass's, the model itself untouched."""
+    model, adapter = llama
+    layout, _ = build_layout(adapter, _parts())
+    exact, _ = question_attention(adapter, layout, 3)
+    approx, _ = question_attention(adapter, layout, 3, dtype="int8")
+    assert_close(torch.cat(exact), torch.cat(approx), 5e-2, "question attention with int8 weights")
+    assert not torch.equal(torch.cat(exact), torch.cat(approx))  # the pass did run in int8
+    candidates = [torch.arange(0, seg.chunk.num_tokens, 3) for _, seg in layout.chunk_segments]
+    exact = value_deviation(adapter, layout, candidates)
+    approx = value_deviation(adapter, layout, candidates, dtype="int8")
+    for e, a, c in zip(exact, approx, candidates):
+        assert_close(e[c], a[c], 1e-1, "deviation with int8 weights")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    cast = signal_adapter(adapter, 2, "int8")
+    assert (cast.dtype, cast.num_layers) == (torch.float32, 2)
+    assert not any(isinstance(m, torch.nn.Linear) for layer in cast.layers for m in layer.modules())
 
 
 def test_an_observing_pass_skips_only_what_no_one_reads(llama):

@@ -23,6 +23,7 @@ from cachetune.config import DTYPES
 from cachetune.methods.layout import PromptLayout
 from cachetune.methods.prefill import Prefilled, reuse_plan
 from cachetune.model.adapter import ModelAdapter, fast_bfloat16
+from cachetune.model.int8 import int8_supported
 from cachetune.runtime.forward import ObserveFn, forward_active
 from cachetune.runtime.kv_cache import KVCache
 from cachetune.runtime.loading import LayerLoader, Pipeline
@@ -35,9 +36,11 @@ SIGNAL_LAYERS = 4
 SIGNAL_POOL = 2.0
 # The layer whose values the deviation signal compares (CacheBlend's; its pass runs the layers below).
 DEVIATION_LAYER = 1
-# The dtype a signal's pass runs in: "model" (the model's own), a DTYPES name, or "auto" (bfloat16
-# where it is fast, else the model's). A signal only ranks tokens, so it needs no float32 precision.
-SIGNAL_DTYPES = ("model", "auto", *DTYPES)
+# The dtype a signal's pass runs in: "model" (the model's own), a DTYPES name, "auto" (bfloat16
+# where it is fast, else the model's), or "int8" (int8 weights, inputs quantized per call, float32
+# elsewhere: model.int8; on a CPU only, elsewhere as "auto"). A signal only ranks tokens, so it needs
+# no float32 precision.
+SIGNAL_DTYPES = ("model", "auto", *DTYPES, "int8")
 SIGNAL_DTYPE = "model"
 
 
@@ -45,9 +48,11 @@ def signal_adapter(adapter: ModelAdapter, layers: int, dtype: str) -> ModelAdapt
     """The adapter a signal pass over layers [0, layers) runs on, in `dtype` (SIGNAL_DTYPES)."""
     if dtype not in SIGNAL_DTYPES:
         raise ValueError(f"unknown signal dtype {dtype!r}; known: {', '.join(SIGNAL_DTYPES)}")
-    if dtype == "model" or (dtype == "auto" and not fast_bfloat16(adapter.device)):
+    if dtype == "int8" and int8_supported(adapter.device):
+        return adapter.cast(layers, torch.int8)
+    if dtype == "model" or (dtype in ("auto", "int8") and not fast_bfloat16(adapter.device)):
         return adapter
-    return adapter.cast(layers, torch.bfloat16 if dtype == "auto" else DTYPES[dtype])
+    return adapter.cast(layers, DTYPES.get(dtype, torch.bfloat16))
 
 
 class QuestionAttention:

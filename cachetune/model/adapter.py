@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from cachetune.model.int8 import quantize_linears
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}
 
@@ -110,16 +112,21 @@ class ModelAdapter:
         passes that need only an approximate answer (a selection signal): bfloat16 runs several times
         faster than float32 on GPUs and AMX CPUs. The cast layers are made once and kept (memory:
         `layers` layers at dtype's size); embedding and rotary tables are shared, their outputs cast.
-        `layers` at most num_layers; this adapter itself when nothing would change."""
+        `layers` at most num_layers; this adapter itself when nothing would change.
+
+        dtype torch.int8 (CPU only, model.int8): the layers' linear weights in int8, their inputs
+        quantized per call, everything else in float32 (the view's dtype)."""
         layers = max(1, min(layers, self.num_layers))
         if dtype == self.dtype:
             return self
+        compute = torch.float32 if dtype == torch.int8 else dtype
         cast = self._casts.setdefault(dtype, [])
         for layer in self.layers[len(cast):layers]:  # copy one layer at a time: no full-size transient
-            cast.append(copy.deepcopy(layer).to(dtype))
+            copied = copy.deepcopy(layer).to(compute)
+            cast.append(quantize_linears(copied) if dtype == torch.int8 else copied)
         view = copy.copy(self)
         view.layers, view.num_layers, view.layer_info = cast[:layers], layers, self.layer_info[:layers]
-        view.cast_dtype, view._casts = dtype, {}
+        view.cast_dtype, view._casts = compute, {}
         return view
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype | None = None

@@ -1,0 +1,72 @@
+"""Dynamic int8 linear layers for approximate passes on a CPU (a selection signal's read of the question).
+
+A signal pass runs a few dozen tokens through many layers, so its time goes to the weight matrices.
+With int8 weights (one scale per output row) and each call's input quantized on the fly, PyTorch's
+oneDNN kernels (VNNI / AMX-INT8) do those products about 3x faster than bfloat16 on an AMX CPU
+(docs/results.md, issue 16, twenty-eighth session); weight-only int8 kernels, made for one-token
+decoding, are slower than bfloat16 at this many tokens. Float32 in and out. CPU only: the quantized
+kernels exist nowhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+from torch import nn
+
+
+def int8_supported(device: torch.device) -> bool:
+    """Whether dynamic int8 linear kernels run on `device` (a CPU with a quantized engine)."""
+    engines = torch.backends.quantized.supported_engines
+    return device.type == "cpu" and any(e in engines for e in ("onednn", "fbgemm", "x86"))
+
+
+@contextlib.contextmanager
+def _engine(name: str):
+    """The quantized engine set to `name` while weights are packed (packed weights keep their engine)."""
+    before = torch.backends.quantized.engine
+    torch.backends.quantized.engine = name
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = before
+
+
+class DynamicInt8Linear(nn.Module):
+    """A copy of `linear` with int8 weights: y = x W^T + b, the input quantized to 8 bits per call.
+
+    oneDNN where PyTorch has it; else FBGEMM, whose kernels need 7-bit inputs (reduce_range)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        if not int8_supported(linear.weight.device):
+            raise ValueError(f"int8 linear layers run on a CPU only, not on {linear.weight.device}")
+        engines = torch.backends.quantized.supported_engines
+        self.engine = "onednn" if "onednn" in engines else "fbgemm" if "fbgemm" in engines else "x86"
+        self.reduce_range = self.engine != "onednn"
+        self.out_features = linear.out_features
+        weight = linear.weight.detach().float()
+        scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # [out]: one per output row
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        with warnings.catch_warnings(), _engine(self.engine):
+            warnings.simplefilter("ignore")  # quantized tensors are deprecated in name; the pinned torch has them
+            zero = torch.zeros(weight.shape[0], dtype=torch.long)
+            qweight = torch.quantize_per_channel(weight, scale, zero, 0, torch.qint8)
+            self.packed = torch.ops.quantized.linear_prepack(qweight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).float()  # [T, in]
+        y = torch.ops.quantized.linear_dynamic(flat, self.packed, self.reduce_range)  # [T, out]
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def quantize_linears(module: nn.Module) -> nn.Module:
+    """`module` with every nn.Linear inside replaced by a DynamicInt8Linear copy (in place)."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(module, name, DynamicInt8Linear(child))
+        else:
+            quantize_linears(child)
+    return module

@@ -1,0 +1,45 @@
+"""Dynamic int8 linear layers (model.int8): what a signal pass's weights become with signal_dtype=int8."""
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import rel_err
+from cachetune.model.int8 import DynamicInt8Linear, int8_supported, quantize_linears
+
+pytestmark = pytest.mark.skipif(not int8_supported(torch.device("cpu")), reason="no quantized CPU engine")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_an_int8_linear_matches_its_float_layer_within_8_bit_precision(bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=bias)
+    x = torch.randn(3, 5, 64)
+    got = DynamicInt8Linear(linear)(x)
+    want = linear(x)
+    assert got.shape == want.shape == (3, 5, 48) and got.dtype == torch.float32
+    assert rel_err(want, got) < 2e-2
+    assert not torch.equal(got, want)
+
+
+def test_an_int8_linear_keeps_a_row_whose_weights_are_all_zero_at_zero():
+    linear = nn.Linear(16, 4, bias=False)
+    with torch.no_grad():
+        linear.weight[1] = 0
+    got = DynamicInt8Linear(linear)(torch.randn(7, 16))
+    assert torch.isfinite(got).all() and torch.equal(got[:, 1], torch.zeros(7))
+
+
+def test_quantize_linears_replaces_every_linear_and_leaves_the_rest():
+    block = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Sequential(nn.Linear(8, 4), nn.ReLU()))
+    norm = block[1]
+    quantize_linears(block)
+    assert isinstance(block[0], DynamicInt8Linear) and isinstance(block[2][0], DynamicInt8Linear)
+    assert block[1] is norm and isinstance(block[2][1], nn.ReLU)
+    assert block(torch.randn(2, 8)).shape == (2, 4)
+
+
+def test_int8_layers_are_refused_off_the_cpu():
+    assert not int8_supported(torch.device("meta"))
+    with pytest.raises(ValueError, match="CPU only"):
+        DynamicInt8Linear(nn.Linear(4, 4, device="meta"))
