@@ -22,6 +22,24 @@ def test_an_int8_linear_matches_its_float_layer_within_8_bit_precision(bias):
     assert not torch.equal(got, want)
 
 
+def test_a_token_with_outsized_activations_leaves_the_others_precision_alone():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    x = torch.randn(6, 64)
+    x[0] *= 1000  # an attention sink's hidden state next to ordinary tokens
+    got, want = DynamicInt8Linear(linear)(x), linear(x)
+    for t in range(6):
+        assert rel_err(want[t], got[t]) < 2e-2, t
+
+
+def test_an_int8_linear_answers_in_its_input_dtype():
+    linear = nn.Linear(16, 8)
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    got = DynamicInt8Linear(linear)(x)
+    assert got.dtype == torch.bfloat16
+    assert rel_err(linear(x.float()), got.float()) < 3e-2
+
+
 def test_an_int8_linear_keeps_a_row_whose_weights_are_all_zero_at_zero():
     linear = nn.Linear(16, 4, bias=False)
     with torch.no_grad():

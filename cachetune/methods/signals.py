@@ -37,9 +37,9 @@ SIGNAL_POOL = 2.0
 # The layer whose values the deviation signal compares (CacheBlend's; its pass runs the layers below).
 DEVIATION_LAYER = 1
 # The dtype a signal's pass runs in: "model" (the model's own), a DTYPES name, "auto" (bfloat16
-# where it is fast, else the model's), or "int8" (int8 weights, inputs quantized per call, float32
-# elsewhere: model.int8; on a CPU only, elsewhere as "auto"). A signal only ranks tokens, so it needs
-# no float32 precision.
+# where it is fast, else the model's), or "int8" (int8 weights, inputs quantized per call, the rest
+# as "auto" would run it: model.int8; on a CPU only, elsewhere as "auto"). A signal only ranks
+# tokens, so it needs no float32 precision.
 SIGNAL_DTYPES = ("model", "auto", *DTYPES, "int8")
 SIGNAL_DTYPE = "model"
 

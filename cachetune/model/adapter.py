@@ -115,11 +115,14 @@ class ModelAdapter:
         `layers` at most num_layers; this adapter itself when nothing would change.
 
         dtype torch.int8 (CPU only, model.int8): the layers' linear weights in int8, their inputs
-        quantized per call, everything else in float32 (the view's dtype)."""
+        quantized per call, everything else (the view's dtype) in bfloat16 where it is fast, else
+        float32."""
         layers = max(1, min(layers, self.num_layers))
         if dtype == self.dtype:
             return self
-        compute = torch.float32 if dtype == torch.int8 else dtype
+        compute = dtype
+        if dtype == torch.int8:
+            compute = torch.bfloat16 if fast_bfloat16(self.device) else torch.float32
         cast = self._casts.setdefault(dtype, [])
         for layer in self.layers[len(cast):layers]:  # copy one layer at a time: no full-size transient
             copied = copy.deepcopy(layer).to(compute)

@@ -4,8 +4,10 @@ A signal pass runs a few dozen tokens through many layers, so its time goes to t
 With int8 weights (one scale per output row) and each call's input quantized on the fly, PyTorch's
 oneDNN kernels (VNNI / AMX-INT8) do those products about 3x faster than bfloat16 on an AMX CPU
 (docs/results.md, issue 16, twenty-eighth session); weight-only int8 kernels, made for one-token
-decoding, are slower than bfloat16 at this many tokens. Float32 in and out. CPU only: the quantized
-kernels exist nowhere else.
+decoding, are 4x slower than bfloat16 at this many tokens. The kernels quantize their input with one
+scale for the whole matrix, so each token is first scaled to the same range: one token with outsized
+activations (a delimiter, an attention sink) would otherwise take the other tokens' precision.
+Output in the input's dtype. CPU only: the quantized kernels exist nowhere else.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ def _engine(name: str):
 
 
 class DynamicInt8Linear(nn.Module):
-    """A copy of `linear` with int8 weights: y = x W^T + b, the input quantized to 8 bits per call.
-
-    oneDNN where PyTorch has it; else FBGEMM, whose kernels need 7-bit inputs (reduce_range)."""
+    """A copy of `linear` with int8 weights: y = x W^T + b, each token of the input quantized to 8
+    bits per call (its own scale). oneDNN where PyTorch has it; else FBGEMM, whose kernels need 7-bit
+    inputs (reduce_range)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -49,17 +51,21 @@ class DynamicInt8Linear(nn.Module):
         self.out_features = linear.out_features
         weight = linear.weight.detach().float()
         scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # [out]: one per output row
-        bias = None if linear.bias is None else linear.bias.detach().float()
+        # The bias is added after the per-token rescale, so it is kept out of the packed weights.
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
         with warnings.catch_warnings(), _engine(self.engine):
             warnings.simplefilter("ignore")  # quantized tensors are deprecated in name; the pinned torch has them
             zero = torch.zeros(weight.shape[0], dtype=torch.long)
             qweight = torch.quantize_per_channel(weight, scale, zero, 0, torch.qint8)
-            self.packed = torch.ops.quantized.linear_prepack(qweight, bias)
+            self.packed = torch.ops.quantized.linear_prepack(qweight, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).float()  # [T, in]
-        y = torch.ops.quantized.linear_dynamic(flat, self.packed, self.reduce_range)  # [T, out]
-        return y.view(*x.shape[:-1], self.out_features)
+        flat = x.reshape(-1, x.shape[-1]).float()                          # [T, in]
+        norm = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)        # [T, 1]: each token's range
+        y = torch.ops.quantized.linear_dynamic(flat / norm, self.packed, self.reduce_range) * norm  # [T, out]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
 def quantize_linears(module: nn.Module) -> nn.Module:
