@@ -7,6 +7,8 @@ run as every other variant. Resumable: rows already in the output file are skipp
     python scripts/selection_kl.py --data hotpotqa_heldout --limit 12 [--skip N] --variants FILE --out OUT.jsonl
     python scripts/selection_kl.py --data musique --rows 37,43,48 --variants FILE --out OUT.jsonl
     python scripts/selection_kl.py --summary OUT.jsonl [...] [--baseline VARIANT] [--pool] [--only VARIANT ...]
+    python scripts/selection_kl.py --data musique --rows 0,1 --answers --variants FILE --out ANSWERS.jsonl
+    python scripts/selection_kl.py --f1 ANSWERS.jsonl EVAL.progress.jsonl [...] [--only VARIANT ...]
 
 --summary also reads `cachetune eval` progress files (the same KL: teacher-forced on full
 recompute's greedy answer), each method at --ratio, so a frontier run's examples and this script's
@@ -16,6 +18,14 @@ that two files both ran must agree to 1e-4 of its value, or the files were run w
 and are refused).
 TTFT is compared as each row's ratio to the full recompute timed with it, which is the plain ratio
 within one run and stays fair across runs.
+
+Every row also holds the variant's own greedy answer, scored against the gold answers as `cachetune
+eval` scores it (F1 on QA), and full recompute's score ("full_score"). --answers decodes and scores the
+answers alone, with no reference pass (no KL, no full recompute's score: a frontier run's progress file
+of the same rows has it), for rows whose KL another run has. --f1 reads these files and progress files
+(an example's scores joined across them, the first file's standing) and gives each variant's mean
+score over full recompute's on the examples both have, with a paired bootstrap interval (the answer
+bar: Qwen F1 at least 95% of full recompute's).
 
 FILE holds one method spec per line ("cachetune:first:allocation=starts:signal=question", ...);
 plain "cachetune" is each chunk's top r by the `first` ranking alone (what the default was before).
@@ -35,7 +45,7 @@ from cachetune.config import EngineConfig
 from cachetune.engine.engine import Engine
 from cachetune.eval.datasets import load_dataset
 from cachetune.eval.harness import Variant, _teacher_forced_logits, prepare
-from cachetune.eval.metrics import bootstrap_mean, kl_to_reference
+from cachetune.eval.metrics import bootstrap_mean, kl_to_reference, paired_ratio, score_answer
 from cachetune.methods.full_recompute import FULL_RECOMPUTE
 
 
@@ -46,8 +56,9 @@ def run(args) -> None:
     engine = Engine.from_pretrained(config=config)
     out = Path(args.out)
     done = set()
-    if out.exists():
-        done = {(r["id"], r["variant"]) for r in map(json.loads, out.read_text().splitlines()) if r}
+    if out.exists():  # a KL run and an answers run each resume from their own kind of row
+        field = "score" if args.answers else "kl"
+        done = {(r["id"], r["variant"]) for r in map(json.loads, out.read_text().splitlines()) if field in r}
     full = Variant(FULL_RECOMPUTE, FULL_RECOMPUTE, args.ratio)
     variants = [Variant(s, s, args.ratio) for s in specs]
     warm = False
@@ -58,6 +69,10 @@ def run(args) -> None:
             todo = [v for v in variants if (ex.id, v.label) not in done]
             if not todo:
                 continue
+            if args.answers:
+                answer_rows(engine, ex, todo, f, warm)
+                warm = True
+                continue
             req = prepare(engine, ex, [full, *todo])
             if not warm:  # untimed: first-call allocations and thread start-up
                 for v in [full, *todo]:
@@ -65,16 +80,36 @@ def run(args) -> None:
                 warm = True
             result, full_ms = req.start(full, 40)
             answer = req.decode(result)
+            full_score = score_answer(ex.task, engine.tokenizer.decode(answer, skip_special_tokens=True), ex.answers)
             result.cache.truncate(result.prompt_rows)
             reference = _teacher_forced_logits(engine, result, answer)
             chunk_tokens = sum(engine.chunk(c).num_tokens for c in req.chunk_ids)
             for v in todo:
                 result, ms = req.start(v, 40)
                 kl = float(kl_to_reference(reference, _teacher_forced_logits(engine, result, answer)).mean())
+                text = engine.tokenizer.decode(req.decode(result), skip_special_tokens=True)
                 f.write(json.dumps({"id": ex.id, "variant": v.label, "kl": kl, "ttft": ms, "full_ttft": full_ms,
                                     "share": result.recomputed_chunk_tokens / max(1, chunk_tokens),
-                                    "prompt": result.prompt_tokens}) + "\n")
+                                    "prompt": result.prompt_tokens, "answer": text,
+                                    "score": score_answer(ex.task, text, ex.answers),
+                                    "full_score": full_score}) + "\n")
                 f.flush()
+
+
+def answer_rows(engine: Engine, ex, variants: list[Variant], f, warm: bool) -> None:
+    """Each variant's own greedy answer on `ex` and its score, one row per variant written to `f`."""
+    req = prepare(engine, ex, variants)
+    if not warm:  # untimed: first-call allocations and thread start-up
+        for v in variants:
+            req.start(v, 1)
+    chunk_tokens = sum(engine.chunk(c).num_tokens for c in req.chunk_ids)
+    for v in variants:
+        result, ms = req.start(v, req.sampling.max_new_tokens + 1)
+        text = engine.tokenizer.decode(req.decode(result), skip_special_tokens=True)
+        f.write(json.dumps({"id": ex.id, "variant": v.label, "score": score_answer(ex.task, text, ex.answers),
+                            "answer": text, "ttft": ms, "share": result.recomputed_chunk_tokens / max(1, chunk_tokens),
+                            "prompt": result.prompt_tokens}) + "\n")
+        f.flush()
 
 
 def pick_rows(data: str, limit: int | None, skip: int = 0, rows: str | None = None) -> list:
@@ -104,7 +139,8 @@ def read_rows(path: str | Path, ratio: float) -> list[dict]:
         except json.JSONDecodeError:
             continue  # a torn last line: a run cut off mid-write
         if "record" not in item:
-            rows.append(item)
+            if "kl" in item:  # an answers run's rows carry no KL
+                rows.append(item)
             continue
         record = item["record"]
         full_ms = record["methods"][FULL_RECOMPUTE]["ttft_ms"]
@@ -118,6 +154,58 @@ def read_rows(path: str | Path, ratio: float) -> list[dict]:
                          "full_ttft": statistics.median(m.get("full_ttft_ms", full_ms)),
                          "share": m["recomputed_share"], "prompt": record["prompt_tokens"]})
     return rows
+
+
+def read_scores(path: str | Path, ratio: float) -> list[dict]:
+    """{"id", "variant", "score"} rows: an answers run's (--answers), or a progress file's methods at
+    `ratio` (full recompute's too), as read_rows reads them."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "record" not in item:
+            if "score" in item:
+                rows.append({"id": item["id"], "variant": item["variant"], "score": item["score"]})
+            if "full_score" in item:  # a KL run's rows carry the reference's score too
+                rows.append({"id": item["id"], "variant": FULL_RECOMPUTE, "score": item["full_score"]})
+            continue
+        for label, m in item["record"]["methods"].items():
+            name, _, at = label.partition("@")
+            if "score" in m and not (at and float(at) != ratio):
+                rows.append({"id": item["record"]["id"], "variant": name, "score": m["score"]})
+    return rows
+
+
+def f1_summary(paths: list[str], ratio: float = EngineConfig.ratio, only: list[str] | None = None) -> str:
+    """Markdown: each variant's mean answer score over full recompute's, on the examples every shown
+    variant and full recompute have (all files pooled, an example's first score standing), with a
+    paired 95% bootstrap interval and the examples it scores above / below full recompute on.
+    Shown: `only`, else every variant."""
+    by: dict[str, dict[str, float]] = defaultdict(dict)
+    for path in paths:
+        for row in read_scores(path, ratio):
+            by[row["variant"]].setdefault(row["id"], row["score"])
+    full = by.get(FULL_RECOMPUTE)
+    if not full:
+        raise SystemExit(f"--f1: no {FULL_RECOMPUTE} scores in {', '.join(paths)} (add the frontier's progress file)")
+    names = only or [v for v in by if v != FULL_RECOMPUTE]
+    missing = [v for v in names if v not in by]
+    if missing:
+        raise SystemExit(f"--f1: no scores of {', '.join(missing)} (known: {', '.join(by)})")
+    ids = sorted(set(full).intersection(*(by[v] for v in names)))
+    if not ids:
+        raise SystemExit(f"--f1: no example has scores of full recompute and of every one of {', '.join(names)}")
+    lines = ["| variant | examples | score | full recompute | score / full (95% CI) | above / below full |",
+             "|---|---|---|---|---|---|"]
+    ref = [full[i] for i in ids]
+    for v in names:
+        scores = [by[v][i] for i in ids]
+        r = paired_ratio(scores, ref)
+        lines.append(f"| {v} | {len(ids)} | {statistics.fmean(scores):.3f} | {statistics.fmean(ref):.3f} "
+                     f"| {r['ratio']:.2f} ({r['ci_low']:.2f}-{r['ci_high']:.2f}) | {r['better']:.0f} / {r['worse']:.0f} |")
+    return "\n".join(lines)
 
 
 def over_full(row: dict) -> float:
@@ -189,12 +277,17 @@ def main() -> None:
     p.add_argument("--ratio", type=float, default=EngineConfig.ratio)
     p.add_argument("--variants")
     p.add_argument("--out")
+    p.add_argument("--answers", action="store_true",
+                   help="decode and score each variant's own answer instead of its KL (no reference pass)")
     p.add_argument("--summary", nargs="+", help="print the tables of these output files instead of running")
+    p.add_argument("--f1", nargs="+", help="print each variant's score over full recompute's from these files")
     p.add_argument("--baseline", default="cachetune", help="--summary: the variant TTFT is relative to")
     p.add_argument("--pool", action="store_true", help="--summary: all files as one sample")
     p.add_argument("--only", nargs="+", help="--summary: show these variants (and the baseline) only")
     args = p.parse_args()
-    if args.summary:
+    if args.f1:
+        print(f1_summary(args.f1, args.ratio, args.only))
+    elif args.summary:
         print(summary(args.summary, args.baseline, args.ratio, args.pool, args.only))
     else:
         run(args)

@@ -358,6 +358,47 @@ def test_selection_kl_summary_is_relative_to_the_named_baseline_and_names_the_va
         selection_kl.summary([str(path)])
 
 
+def test_selection_kl_f1_is_each_variants_score_over_full_recomputes_from_a_progress_file(tmp_path):
+    """--f1: an answers run's scores (--answers rows) and a KL run's (with full recompute's score) join
+    a progress file's, whose full recompute is the reference; the ratio is of means over the examples
+    every shown variant has, the first file's score standing where two files score one example; rows
+    without a score and other ratios are not scores; no full recompute, or no common example, is a
+    clear error."""
+    import pytest
+
+    selection_kl = _script("selection_kl")
+
+    def record(rid, full, p):
+        return {"key": {}, "record": {"id": rid, "dataset": "d", "prompt_tokens": 9, "methods": {
+            "full_recompute": {"ttft_ms": [9.0], "kl": 0.0, "score": full},
+            "p@0.15": {"kl": 0.1, "ttft_ms": [1.0], "recomputed_share": 0.15, "score": p},
+            "p@0.3": {"kl": 0.1, "ttft_ms": [1.0], "recomputed_share": 0.3, "score": 0.0}}}}
+
+    progress = tmp_path / "eval.progress.jsonl"
+    progress.write_text("".join(json.dumps(record(*r)) + "\n" for r in (("a", 1.0, 1.0), ("b", 0.5, 0.0),
+                                                                         ("c", 0.5, 0.5))))
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"id": "a", "variant": "q", "score": 0.5, "answer": "x"},
+        {"id": "b", "variant": "q", "score": 1.0, "answer": "y"},
+        {"id": "b", "variant": "p", "score": 1.0, "answer": "y"},  # p on b: this file stands when it comes first
+        {"id": "z", "variant": "q", "score": 1.0, "answer": "w"},  # no full recompute score on z
+        {"id": "a", "variant": "k", "kl": 0.2, "ttft": 1.0, "full_ttft": 2.0, "share": 0.15, "prompt": 9},
+        {"id": "y", "variant": "k", "kl": 0.2, "ttft": 1.0, "full_ttft": 2.0, "share": 0.15, "prompt": 9,
+         "answer": "v", "score": 0.0, "full_score": 0.5})))  # a KL run's row: full recompute's score on y
+    table = selection_kl.f1_summary([str(answers), str(progress)], ratio=0.15, only=["q", "p"])
+    assert "| q | 2 | 0.750 | 0.750 | 1.00 (" in table and "| 1 / 1 |" in table  # a and b: both have them
+    assert "| p | 2 | 1.000 | 0.750 | 1.33 (" in table
+    assert "| k | 1 | 0.000 | 0.500 | 0.00 (" in selection_kl.f1_summary([str(answers), str(progress)], only=["k"])
+    assert "| p | 3 | 0.500 | 0.667 | 0.75 (" in selection_kl.f1_summary([str(progress), str(answers)], only=["p"])
+    with pytest.raises(SystemExit, match="no example has scores"):  # k's only score is on y, which q lacks
+        selection_kl.f1_summary([str(answers), str(progress)], ratio=0.15)
+    alone = tmp_path / "alone.jsonl"
+    alone.write_text(json.dumps({"id": "a", "variant": "q", "score": 0.5, "answer": "x"}) + "\n")
+    with pytest.raises(SystemExit, match="no full_recompute scores"):
+        selection_kl.f1_summary([str(alone)])
+
+
 def test_selection_kl_summary_pools_an_eval_progress_file_with_its_own_rows_at_the_ratio(tmp_path):
     """--summary --pool: a `cachetune eval` progress file's methods at --ratio (swept labels
     "<m>@<r>" read as "<m>", other ratios left out) join this script's rows as one sample, over the

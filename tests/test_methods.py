@@ -315,6 +315,22 @@ def test_prefill_continuing_from_the_question_pass_equals_a_fresh_one(llama, lay
     assert torch.equal(fresh.cache.values[:, :n], continued.cache.values[:, :n])
 
 
+@pytest.mark.parametrize("between", [False, True])
+def test_the_pass_reusing_its_observed_probabilities_gives_the_plain_passs_scores(llama, between):
+    """The question pass takes the question's attention output from the probabilities its observer
+    computed (no second query-key product): the scores match the pass with causal attention to
+    float32 rounding, with uncached text before the chunks and between them too."""
+    _, adapter = llama
+    parts = _parts()
+    if between:
+        parts.insert(2, (rand_ids(7, 50), False))
+    layout, _ = build_layout(adapter, parts)
+    plain, _ = question_attention(adapter, layout, 3, reuse_probs=False)
+    reused, _ = question_attention(adapter, layout, 3)
+    # Layers 1 and 2's scores read the question's output of layers 0 and 1, which the reuse computes.
+    assert_close(torch.cat(plain), torch.cat(reused), 1e-5, "question attention, probabilities reused")
+
+
 def test_signals_in_bfloat16_approximate_their_float32_scores(llama):
     """A signal's pass on layers cast to bfloat16 (signal_dtype) gives the float32 pass's scores
     within bfloat16's precision, while the model itself stays float32."""

@@ -24,7 +24,8 @@ from cachetune.methods.layout import PromptLayout
 from cachetune.methods.prefill import Prefilled, reuse_plan
 from cachetune.model.adapter import ModelAdapter, fast_bfloat16
 from cachetune.model.int8 import int8_supported
-from cachetune.runtime.forward import ObserveFn, forward_active
+from cachetune.runtime.attention import plan_blocks, sparse_causal_attention
+from cachetune.runtime.forward import AttentionFn, ObserveFn, forward_active
 from cachetune.runtime.kv_cache import KVCache
 from cachetune.runtime.loading import LayerLoader, Pipeline
 
@@ -60,7 +61,8 @@ class QuestionAttention:
 
     The question is the layout's last segment (it ends the prompt, so its queries are the last
     active rows). per_layer[l] is [total] float32: softmax attention averaged over heads and question
-    positions (causal; each row sums to 1, so the vector does too).
+    positions (causal; each row sums to 1, so the vector does too). `attend` is the pass's attention
+    that reuses those probabilities for the question's own output.
     """
 
     def __init__(self, adapter: ModelAdapter, layout: PromptLayout):
@@ -68,6 +70,8 @@ class QuestionAttention:
         self.q_pos = torch.arange(layout.starts[-1], layout.total, device=adapter.device)
         self.total = layout.total
         self.per_layer: list[torch.Tensor] = []
+        self.probs: torch.Tensor | None = None  # the last observed layer's [Hkv, G, Tq, S]
+        self.rest_plan = None                   # the attention plan of the active rows before the question
 
     def __call__(self, layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
         t, kv_heads, d = self.q_pos.numel(), keys.shape[1], keys.shape[2]
@@ -80,6 +84,26 @@ class QuestionAttention:
         row = torch.zeros(self.total, device=keys.device)
         row[: keys.shape[0]] = probs.mean(dim=(0, 1, 2))
         self.per_layer.append(row)
+        self.probs = probs
+
+    def attend(self, layer: int, q: torch.Tensor, cache: KVCache, rows: torch.Tensor) -> torch.Tensor:
+        """forward's AttentionFn for a pass this observer watches: the question's rows are the
+        probabilities just observed times the values (its query-key products are not computed
+        twice), the rows before it causal attention as usual. q [T, Hq, D] -> [T, Hq, D]."""
+        info = self.adapter.layer_info[layer]
+        end = int(rows[-1]) + 1
+        keys, values = cache.keys[layer, :end], cache.values[layer, :end]
+        if self.probs is None or (info.sliding_window is not None and info.sliding_window < end):
+            return sparse_causal_attention(q, keys, values, rows, info.scale, info.sliding_window)  # the observer has no window
+        t, d = self.q_pos.numel(), q.shape[-1]
+        own = torch.einsum("kgts,skd->tkgd", self.probs, values.float()).reshape(t, -1, d)  # [Tq, Hq, D]
+        self.probs = None
+        if rows.numel() == t:
+            return own.to(q.dtype)
+        if self.rest_plan is None:
+            self.rest_plan = plan_blocks(rows[:-t], q.shape[1] // keys.shape[1], q.dtype)
+        rest = sparse_causal_attention(q[:-t], keys, values, rows[:-t], info.scale, plan=self.rest_plan)
+        return torch.cat([rest, own.to(q.dtype)])
 
     def mean(self) -> torch.Tensor:
         return torch.stack(self.per_layer).mean(dim=0)
@@ -93,9 +117,11 @@ def per_chunk(layout: PromptLayout, row: torch.Tensor) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def observe_reuse(adapter: ModelAdapter, layout: PromptLayout, layers: int, observe: ObserveFn,
-                  pipeline: Pipeline = Pipeline(), capacity: int = 0, dtype: str = "model") -> Prefilled:
+                  pipeline: Pipeline = Pipeline(), capacity: int = 0, dtype: str = "model",
+                  attention: AttentionFn | None = None) -> Prefilled:
     """Run the uncached text over the fully reused chunks through layers [0, layers) for `observe`,
-    computing in `dtype` (SIGNAL_DTYPES; observe sees q and keys in the model's dtype).
+    computing in `dtype` (SIGNAL_DTYPES; observe sees q and keys in the model's dtype). `attention`:
+    the pass's own (None: causal).
 
     Returns the pass's cache (every layer allocated, `capacity` rows at least, the model's dtype):
     its first `layers` layers hold every chunk row exactly as stored, so a selective prefill can
@@ -110,7 +136,8 @@ def observe_reuse(adapter: ModelAdapter, layout: PromptLayout, layers: int, obse
     run = signal_adapter(adapter, layers, dtype)
     with LayerLoader(parts, shape, device, adapter.dtype, pipeline) as loader:
         forward_active(run, run.embed(layout.input_ids[active_pos].to(device)), active_pos.to(device),
-                       cache, reused=loader, observe=observe, layers=range(layers), last_output=False)
+                       cache, reused=loader, observe=observe, layers=range(layers), last_output=False,
+                       attention=attention)
     return Prefilled(cache, layers)
 
 
@@ -125,12 +152,16 @@ def position_weighted(scores: torch.Tensor, decay: float) -> torch.Tensor:
 
 
 def question_attention(adapter: ModelAdapter, layout: PromptLayout, layers: int, pipeline: Pipeline = Pipeline(),
-                       capacity: int = 0, dtype: str = "model") -> tuple[list[torch.Tensor], Prefilled]:
+                       capacity: int = 0, dtype: str = "model",
+                       reuse_probs: bool = True) -> tuple[list[torch.Tensor], Prefilled]:
     """Per chunk [N_i]: the question's attention to each token, averaged over heads, question positions
     and layers [0, layers), with every chunk token reused (all layers: ProphetKV's score); and the
-    pass's cache (see observe_reuse). `dtype`: the pass's (SIGNAL_DTYPES)."""
+    pass's cache (see observe_reuse). `dtype`: the pass's (SIGNAL_DTYPES). `reuse_probs`: the pass's
+    attention takes the question's output from the observed probabilities (QuestionAttention.attend;
+    the same values to float32 rounding, one query-key product per layer fewer)."""
     observer = QuestionAttention(adapter, layout)
-    prefilled = observe_reuse(adapter, layout, layers, observer, pipeline, capacity, dtype)
+    attention = observer.attend if reuse_probs else None
+    prefilled = observe_reuse(adapter, layout, layers, observer, pipeline, capacity, dtype, attention)
     return per_chunk(layout, observer.mean()), prefilled
 
 
