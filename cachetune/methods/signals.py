@@ -94,7 +94,8 @@ class QuestionAttention:
         end = int(rows[-1]) + 1
         keys, values = cache.keys[layer, :end], cache.values[layer, :end]
         if self.probs is None or (info.sliding_window is not None and info.sliding_window < end):
-            return sparse_causal_attention(q, keys, values, rows, info.scale, info.sliding_window)  # the observer has no window
+            # Nothing observed, or a windowed layer: the observed probabilities span every key.
+            return sparse_causal_attention(q, keys, values, rows, info.scale, info.sliding_window)
         t, d = self.q_pos.numel(), q.shape[-1]
         own = torch.einsum("kgts,skd->tkgd", self.probs, values.float()).reshape(t, -1, d)  # [Tq, Hq, D]
         self.probs = None
