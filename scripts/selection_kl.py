@@ -24,8 +24,8 @@ eval` scores it (F1 on QA), and full recompute's score ("full_score"). --answers
 answers alone, with no reference pass (no KL, no full recompute's score: a frontier run's progress file
 of the same rows has it), for rows whose KL another run has. --f1 reads these files and progress files
 (an example's scores joined across them, the first file's standing) and gives each variant's mean
-score over full recompute's on the examples both have, with a paired bootstrap interval (the answer
-bar: Qwen F1 at least 95% of full recompute's).
+score over full recompute's on the examples every shown variant has, with a paired bootstrap interval
+(the answer bar: Qwen F1 at least 95% of full recompute's).
 
 FILE holds one method spec per line ("cachetune:first:allocation=starts:signal=question", ...);
 plain "cachetune" is each chunk's top r by the `first` ranking alone (what the default was before).
@@ -283,7 +283,7 @@ def main() -> None:
     p.add_argument("--f1", nargs="+", help="print each variant's score over full recompute's from these files")
     p.add_argument("--baseline", default="cachetune", help="--summary: the variant TTFT is relative to")
     p.add_argument("--pool", action="store_true", help="--summary: all files as one sample")
-    p.add_argument("--only", nargs="+", help="--summary: show these variants (and the baseline) only")
+    p.add_argument("--only", nargs="+", help="--summary, --f1: show these variants (and the baseline) only")
     args = p.parse_args()
     if args.f1:
         print(f1_summary(args.f1, args.ratio, args.only))
