@@ -58,7 +58,11 @@ def run(args) -> None:
     done = set()
     if out.exists():  # a KL run and an answers run each resume from their own kind of row
         field = "score" if args.answers else "kl"
-        done = {(r["id"], r["variant"]) for r in map(json.loads, out.read_text().splitlines()) if field in r}
+        done = {(r["id"], r["variant"]) for r in parsed_lines(out) if field in r}
+        text = out.read_bytes()
+        if text and not text.endswith(b"\n"):  # a torn last line: the next row starts on a line of its own
+            with out.open("a") as f:
+                f.write("\n")
     full = Variant(FULL_RECOMPUTE, FULL_RECOMPUTE, args.ratio)
     variants = [Variant(s, s, args.ratio) for s in specs]
     warm = False
@@ -80,18 +84,17 @@ def run(args) -> None:
                 warm = True
             result, full_ms = req.start(full, 40)
             answer = req.decode(result)
-            full_score = score_answer(ex.task, engine.tokenizer.decode(answer, skip_special_tokens=True), ex.answers)
+            _, full_score = scored(engine, ex, answer)
             result.cache.truncate(result.prompt_rows)
             reference = _teacher_forced_logits(engine, result, answer)
             chunk_tokens = sum(engine.chunk(c).num_tokens for c in req.chunk_ids)
             for v in todo:
                 result, ms = req.start(v, 40)
                 kl = float(kl_to_reference(reference, _teacher_forced_logits(engine, result, answer)).mean())
-                text = engine.tokenizer.decode(req.decode(result), skip_special_tokens=True)
+                text, score = scored(engine, ex, req.decode(result))
                 f.write(json.dumps({"id": ex.id, "variant": v.label, "kl": kl, "ttft": ms, "full_ttft": full_ms,
                                     "share": result.recomputed_chunk_tokens / max(1, chunk_tokens),
-                                    "prompt": result.prompt_tokens, "answer": text,
-                                    "score": score_answer(ex.task, text, ex.answers),
+                                    "prompt": result.prompt_tokens, "answer": text, "score": score,
                                     "full_score": full_score}) + "\n")
                 f.flush()
 
@@ -105,11 +108,17 @@ def answer_rows(engine: Engine, ex, variants: list[Variant], f, warm: bool) -> N
     chunk_tokens = sum(engine.chunk(c).num_tokens for c in req.chunk_ids)
     for v in variants:
         result, ms = req.start(v, req.sampling.max_new_tokens + 1)
-        text = engine.tokenizer.decode(req.decode(result), skip_special_tokens=True)
-        f.write(json.dumps({"id": ex.id, "variant": v.label, "score": score_answer(ex.task, text, ex.answers),
-                            "answer": text, "ttft": ms, "share": result.recomputed_chunk_tokens / max(1, chunk_tokens),
+        text, score = scored(engine, ex, req.decode(result))
+        f.write(json.dumps({"id": ex.id, "variant": v.label, "score": score, "answer": text, "ttft": ms,
+                            "share": result.recomputed_chunk_tokens / max(1, chunk_tokens),
                             "prompt": result.prompt_tokens}) + "\n")
         f.flush()
+
+
+def scored(engine: Engine, ex, answer: list[int]) -> tuple[str, float]:
+    """A greedy answer's text and its score against the gold answers, as `cachetune eval` scores it."""
+    text = engine.tokenizer.decode(answer, skip_special_tokens=True)
+    return text, score_answer(ex.task, text, ex.answers)
 
 
 def pick_rows(data: str, limit: int | None, skip: int = 0, rows: str | None = None) -> list:
@@ -128,16 +137,28 @@ def pick_rows(data: str, limit: int | None, skip: int = 0, rows: str | None = No
     return [examples[r] for r in picked]
 
 
+def parsed_lines(path: str | Path):
+    """The JSON objects of a JSONL file, skipping a torn last line (a run cut off mid-write)."""
+    for line in Path(path).read_text().splitlines():
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            continue
+
+
+def at_ratio(label: str, ratio: float) -> str | None:
+    """A progress file's method label ("<method>" or a swept "<method>@<r>") -> the method's name
+    when it ran at `ratio` (an unswept label counts), else None."""
+    name, _, at = label.partition("@")
+    return None if at and float(at) != ratio else name
+
+
 def read_rows(path: str | Path, ratio: float) -> list[dict]:
     """This script's rows from its output file, or from a `cachetune eval` progress file: each
     method of each example at `ratio` (a swept method's "<method>@<ratio>" named "<method>"), an
     example's last line winning as when the run resumed."""
     rows = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line: a run cut off mid-write
+    for item in parsed_lines(path):
         if "record" not in item:
             if "kl" in item:  # an answers run's rows carry no KL
                 rows.append(item)
@@ -145,8 +166,8 @@ def read_rows(path: str | Path, ratio: float) -> list[dict]:
         record = item["record"]
         full_ms = record["methods"][FULL_RECOMPUTE]["ttft_ms"]
         for label, m in record["methods"].items():
-            name, _, at = label.partition("@")
-            if label == FULL_RECOMPUTE or "kl" not in m or (at and float(at) != ratio):
+            name = at_ratio(label, ratio)
+            if label == FULL_RECOMPUTE or "kl" not in m or name is None:
                 continue
             # A variant added to a resumed example carries the full recompute timed in its pass.
             rows.append({"id": record["id"], "variant": name, "kl": m["kl"],
@@ -160,11 +181,7 @@ def read_scores(path: str | Path, ratio: float) -> list[dict]:
     """{"id", "variant", "score"} rows: an answers run's (--answers), or a progress file's methods at
     `ratio` (full recompute's too), as read_rows reads them."""
     rows = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for item in parsed_lines(path):
         if "record" not in item:
             if "score" in item:
                 rows.append({"id": item["id"], "variant": item["variant"], "score": item["score"]})
@@ -172,21 +189,25 @@ def read_scores(path: str | Path, ratio: float) -> list[dict]:
                 rows.append({"id": item["id"], "variant": FULL_RECOMPUTE, "score": item["full_score"]})
             continue
         for label, m in item["record"]["methods"].items():
-            name, _, at = label.partition("@")
-            if "score" in m and not (at and float(at) != ratio):
+            name = at_ratio(label, ratio)
+            if "score" in m and name is not None:
                 rows.append({"id": item["record"]["id"], "variant": name, "score": m["score"]})
     return rows
 
 
 def f1_summary(paths: list[str], ratio: float = EngineConfig.ratio, only: list[str] | None = None) -> str:
     """Markdown: each variant's mean answer score over full recompute's, on the examples every shown
-    variant and full recompute have (all files pooled, an example's first score standing), with a
+    variant and full recompute have (all files pooled: within a file an example's last line wins, as
+    when a run resumed; across files the first file's score stands), with a
     paired 95% bootstrap interval and the examples it scores above / below full recompute on.
     Shown: `only`, else every variant."""
     by: dict[str, dict[str, float]] = defaultdict(dict)
     for path in paths:
+        own: dict[str, dict[str, float]] = defaultdict(dict)
         for row in read_scores(path, ratio):
-            by[row["variant"]].setdefault(row["id"], row["score"])
+            own[row["variant"]][row["id"]] = row["score"]
+        for variant, scores in own.items():
+            by[variant] = {**scores, **by[variant]}
     full = by.get(FULL_RECOMPUTE)
     if not full:
         raise SystemExit(f"--f1: no {FULL_RECOMPUTE} scores in {', '.join(paths)} (add the frontier's progress file)")

@@ -393,6 +393,11 @@ def test_selection_kl_f1_is_each_variants_score_over_full_recomputes_from_a_prog
     assert "| p | 3 | 0.500 | 0.667 | 0.75 (" in selection_kl.f1_summary([str(progress), str(answers)], only=["p"])
     with pytest.raises(SystemExit, match="no example has scores"):  # k's only score is on y, which q lacks
         selection_kl.f1_summary([str(answers), str(progress)], ratio=0.15)
+    # Within one file a later line (a resumed run's) wins; a torn last line is skipped.
+    resumed = tmp_path / "resumed.jsonl"
+    resumed.write_text(json.dumps({"id": "a", "variant": "q", "score": 0.0, "answer": "x"}) + "\n"
+                       + json.dumps({"id": "a", "variant": "q", "score": 1.0, "answer": "x"}) + "\n" + '{"torn')
+    assert "| q | 1 | 1.000 | 1.000 | 1.00 (" in selection_kl.f1_summary([str(resumed), str(progress)], only=["q"])
     alone = tmp_path / "alone.jsonl"
     alone.write_text(json.dumps({"id": "a", "variant": "q", "score": 0.5, "answer": "x"}) + "\n")
     with pytest.raises(SystemExit, match="no full_recompute scores"):
