@@ -18,8 +18,8 @@ from cachetune.methods.prefix_cache import PrefixCache
 from cachetune.methods import SelectionRequest, SelectiveMethod, make_method, method_names, split_global_top
 from cachetune.methods.allocation import allocate, proportional_quotas
 from cachetune.methods.cacheslide import CacheSlideSelector
-from cachetune.methods.signals import (observe_reuse, position_weighted, question_attention, signal_adapter,
-                                      top_attended, value_deviation)
+from cachetune.methods.signals import (deep_focus_price, linear_macs, observe_reuse, position_weighted,
+                                      question_attention, signal_adapter, top_attended, value_deviation)
 from cachetune.model.adapter import fast_bfloat16
 from conftest import assert_close, build_layout, hf_forward, none_selected, rand_ids
 
@@ -121,7 +121,8 @@ SELECTION_VARIANTS = ["cachetune:first:allocation=equal", "cachetune:first:alloc
                       "cachetune:first:allocation=focus:signal=question:signal_dtype=bfloat16",
                       "cachetune:first:allocation=starts:start_share=0.5:signal=deviation:signal_dtype=bfloat16",
                       "cachetune:first:allocation=starts:signal=attended:signal_dtype=auto",
-                      "cachetune:first:allocation=focus:start_share=0.5:signal=question:signal_dtype=int8"]
+                      "cachetune:first:allocation=focus:start_share=0.5:signal=question:signal_dtype=int8",
+                      "cachetune:first:allocation=focus:signal=question:deep_within=1"]
 
 
 @pytest.mark.parametrize("name", SELECTION_VARIANTS)
@@ -361,6 +362,38 @@ def test_auto_signal_dtype_is_bfloat16_only_where_it_is_fast(llama):
         make_method("cachetune:first:allocation=starts:signal=question:signal_dtype=int4")
 
 
+def test_deep_within_takes_deep_focus_where_it_is_cheap_and_its_own_settings_elsewhere(llama):
+    """A request whose predicted deep-focus price is within `deep_within` picks exactly what deep focus
+    (every layer, start share 0.5, no cap, the pass in `auto`) picks; above it, what the settings pick."""
+    _, adapter = llama
+    layout, _ = build_layout(adapter, _parts(chunks=(90, 70, 120)))
+    price = deep_focus_price(adapter, layout, 0.3, "auto")
+    assert 0 < price < 1
+    own = "cachetune:first:allocation=focus:start_share=0.8:signal=question:signal_layers=1:signal_tokens=1"
+    deep = (f"cachetune:first:allocation=focus:start_share=0.5:signal=question:signal_layers={adapter.num_layers}"
+            ":signal_tokens=none:signal_dtype=auto")
+    picks = {name: _select(name, adapter, layout, 0.3) for name in (own, deep)}
+    assert any(not torch.equal(a, b) for a, b in zip(picks[own], picks[deep]))  # the two choices differ here
+    for within, expected in [(min(1.0, price * 1.01), deep), (price * 0.99, own)]:
+        got = _select(f"{own}:deep_within={within}", adapter, layout, 0.3)
+        assert all(torch.equal(a, b) for a, b in zip(got, picks[expected])), within
+
+
+def test_deep_focus_price_counts_the_pass_and_the_extra_attention_over_firsts_prefill(llama):
+    """The price by hand for one chunk between two uncached spans: (the uncached rows' linear maps and
+    attention over every row up to them, + extra_attention x first's attention) / first's prefill."""
+    _, adapter = llama
+    layout, _ = build_layout(adapter, [(rand_ids(5, 0), False), (rand_ids(40, 1), True), (rand_ids(3, 2), False)])
+    linear, width = linear_macs(adapter), 2 * adapter.num_heads * adapter.head_dim
+    asked_rows = sum(range(1, 6)) + sum(range(46, 49))  # rows 0-4 and 45-47 see themselves and all before
+    k = round(0.25 * 40)                                 # first's picks: rows 5 .. 5 + k - 1
+    pick_rows = sum(range(6, 6 + k))
+    first = (8 + k) * linear + width * (asked_rows + pick_rows)
+    reading = 8 * linear + width * asked_rows            # the model's own dtype: no cheaper linear maps
+    expected = (reading + 0.5 * width * (asked_rows + pick_rows)) / first
+    assert deep_focus_price(adapter, layout, 0.25, "model", extra_attention=0.5) == pytest.approx(expected)
+
+
 def test_signals_with_int8_weights_approximate_their_float32_scores(llama):
     """signal_dtype=int8: the pass's linear layers in int8 (on a CPU), scores within int8's precision
     of the float32 pass's, the model itself untouched."""
@@ -405,7 +438,9 @@ def test_method_names_carry_settings():
                      ("cachetune:start_share=2", "start_share must be"),
                      ("cachetune:signal=psychic", "unknown signal"),
                      ("cachetune:first:allocation=global:signal=none", "global allocation needs"),
-                     ("cachetune:first:allocation=focus:signal=none", "focus allocation needs")]:
+                     ("cachetune:first:allocation=focus:signal=none", "focus allocation needs"),
+                     ("cachetune:first:allocation=focus:signal=question:deep_within=0", "deep_within must be"),
+                     ("cachetune:first:allocation=spread:signal=question:deep_within=0.08", "deep_within needs")]:
         with pytest.raises(ValueError, match=why):
             make_method(bad)
 

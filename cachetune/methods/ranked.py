@@ -16,8 +16,15 @@ from cachetune.methods.base import Method, NoSettings, RatioSettings, check_int,
 from cachetune.methods.prefill import Prefilled
 from cachetune.methods.selector import SelectionRequest, SelectiveMethod, TokenSelector
 from cachetune.methods.signals import (DEVIATION_LAYER, SIGNAL_DTYPE, SIGNAL_DTYPES, SIGNAL_LAYERS, SIGNAL_POOL,
-                                      attended_deviation, position_weighted, question_attention, signal_adapter,
-                                      top_attended, value_deviation)
+                                      attended_deviation, deep_focus_price, position_weighted, question_attention,
+                                      signal_adapter, top_attended, value_deviation)
+
+# Deep focus: the question's attention over every layer, half the budget on chunk starts and the rest
+# by that attention with no cap per chunk, the pass in bfloat16 where that is fast. On Qwen2.5-1.5B
+# MuSiQue it halves the gap to ProphetKV that 4 layers leave; it pays only where the pass is cheap
+# beside the prefill (`deep_within`; docs/results.md, issue 16, twenty-seventh to thirtieth sessions).
+DEEP_START_SHARE = 0.5
+DEEP_DTYPE = "auto"
 
 
 class RankedSelector(TokenSelector):
@@ -39,7 +46,10 @@ class RankedSelector(TokenSelector):
     position. `signal_max_chunk`: under a per-chunk allocation (PER_CHUNK), the signal picks only in
     chunks of at most this many tokens; a longer chunk's share goes by its offline ranking, and a
     request with no such chunk skips the signal's pass (None: every chunk). `signal_dtype`: the dtype
-    the signal's passes run in (methods.signals.SIGNAL_DTYPES). `ranker` None: the engine's default.
+    the signal's passes run in (methods.signals.SIGNAL_DTYPES). `deep_within` (signal "question"): a
+    request whose deep focus is predicted to cost at most this share of `first`'s prefill
+    (methods.signals.deep_focus_price) takes it instead of the settings above: every layer,
+    DEEP_START_SHARE, no cap per chunk, DEEP_DTYPE (None: never). `ranker` None: the engine's default.
     """
 
     reads_ranking = True
@@ -48,12 +58,13 @@ class RankedSelector(TokenSelector):
                  allocation: str = "proportional", start_share: float = START_SHARE, signal: str | None = None,
                  signal_layers: int = SIGNAL_LAYERS, decay: float = 0.0,
                  signal_tokens: int | None = SIGNAL_TOKENS, signal_max_chunk: int | None = None,
-                 signal_pool: float = SIGNAL_POOL, signal_dtype: str = SIGNAL_DTYPE):
+                 signal_pool: float = SIGNAL_POOL, signal_dtype: str = SIGNAL_DTYPE,
+                 deep_within: float | None = None):
         self.name, self.ranker, self.drops_unselected = name, ranker, drops_unselected
         self.allocation, self.start_share = allocation, start_share
         self.signal, self.signal_layers, self.decay = signal, signal_layers, decay
         self.signal_tokens, self.signal_max_chunk, self.signal_pool = signal_tokens, signal_max_chunk, signal_pool
-        self.signal_dtype = signal_dtype
+        self.signal_dtype, self.deep_within = signal_dtype, deep_within
 
     def prepare(self, adapter) -> None:
         if self.signal is not None:  # cast the layers the passes read now, not in a request's time
@@ -61,6 +72,13 @@ class RankedSelector(TokenSelector):
             reads = {"question": self.signal_layers, "deviation": deviation}.get(
                 self.signal, max(self.signal_layers, deviation))
             signal_adapter(adapter, reads, self.signal_dtype)
+            if self.deep_within is not None:
+                signal_adapter(adapter, adapter.num_layers, DEEP_DTYPE)
+
+    def deep(self, request: SelectionRequest, ratio: float) -> bool:
+        """Whether this request takes deep focus: its pass over every layer is cheap beside its prefill."""
+        return self.signal == "question" and self.deep_within is not None and deep_focus_price(
+            request.adapter, request.layout, ratio, DEEP_DTYPE) <= self.deep_within
 
     def select(self, request: SelectionRequest, ratio: float) -> list[torch.Tensor]:
         return self.choose(request, ratio)[0]
@@ -76,13 +94,17 @@ class RankedSelector(TokenSelector):
         signalled = self.signalled([s.numel() for s in offline])
         if not any(signalled):  # every chunk goes by its offline ranking: no pass to pay for
             return allocate(offline, ratio, self.allocation, False, self.start_share), None
+        layers, start_share, signal_tokens, dtype = self.signal_layers, self.start_share, self.signal_tokens, \
+            self.signal_dtype
+        if self.deep(request, ratio):
+            layers, start_share, signal_tokens, dtype = request.adapter.num_layers, DEEP_START_SHARE, None, DEEP_DTYPE
         prefilled = None
         if self.signal in ("question", "attended"):  # the pass's layers are kept: the prefill does not load them
-            scores, prefilled = question_attention(request.adapter, request.layout, self.signal_layers,
-                                                   request.pipeline, request.capacity, self.signal_dtype)
+            scores, prefilled = question_attention(request.adapter, request.layout, layers,
+                                                   request.pipeline, request.capacity, dtype)
             scores = [position_weighted(s, self.decay) for s in scores]
         if self.signal in ("deviation", "attended"):  # read on the tokens the starts leave
-            share = self.start_share if self.allocation in WITH_STARTS else 0.0
+            share = start_share if self.allocation in WITH_STARTS else 0.0
             budget = request_budget([s.numel() for s in offline], ratio)
             taken = starts(offline, start_count(budget, share))
             if self.signal == "deviation":  # every such token is a candidate
@@ -92,18 +114,18 @@ class RankedSelector(TokenSelector):
                     free[t] = False
                     candidates.append(free.nonzero().flatten() if keep else torch.empty(0, dtype=torch.int64))
                 scores = value_deviation(request.adapter, request.layout, candidates, pipeline=request.pipeline,
-                                         dtype=self.signal_dtype)
+                                         dtype=dtype)
             else:  # a pool of the question's favourites, a few times what the signal may pick
                 picks = budget - sum(t.numel() for t in taken)
                 if picks:  # the starts take the whole budget: no deviation pass to pay for
                     candidates = top_attended(scores, taken, math.ceil(self.signal_pool * picks), signalled)
                     scores = attended_deviation(request.adapter, request.layout, scores, candidates,
-                                                request.pipeline, self.signal_dtype)
+                                                request.pipeline, dtype)
         # Per-chunk allocations fill each chunk from its own scores, so a chunk the signal skips can
         # take its offline ones (their scale never meets the signal's).
         scores = [s if keep else o for s, o, keep in zip(scores, offline, signalled)]
-        return allocate(scores, ratio, self.allocation, True, self.start_share, ranked=offline,
-                        signal_tokens=self.signal_tokens), prefilled
+        return allocate(scores, ratio, self.allocation, True, start_share, ranked=offline,
+                        signal_tokens=signal_tokens), prefilled
 
     def signalled(self, lengths: list[int]) -> list[bool]:
         """Which chunks (by token count) the signal may pick in."""
@@ -152,6 +174,7 @@ class RankedSettings:
     signal_max_chunk: int | None = None          # the signal picks only in chunks up to this length (None: all)
     signal_pool: float = SIGNAL_POOL             # attended: deviation read on this many times the signal's picks
     signal_dtype: str = SIGNAL_DTYPE             # dtype of the signal's passes (auto: bfloat16 where it is fast)
+    deep_within: float | None = None             # focus: deep focus where it costs at most this share over first
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
@@ -173,6 +196,12 @@ class RankedSettings:
             raise ValueError(f"signal_pool must be a number in [1, 100], got {self.signal_pool!r}")
         if self.signal_dtype not in SIGNAL_DTYPES:
             raise ValueError(f"signal_dtype must be one of {', '.join(SIGNAL_DTYPES)}, got {self.signal_dtype!r}")
+        if self.deep_within is not None:
+            if isinstance(self.deep_within, bool) or not isinstance(self.deep_within, (int, float)) \
+                    or not 0 < self.deep_within <= 1:
+                raise ValueError(f"deep_within must be a share in (0, 1] (or None: never), got {self.deep_within!r}")
+            if self.allocation != "focus" or self.signal != "question":
+                raise ValueError("deep_within needs the focus allocation with the question signal")
         if self.allocation == "focus" and self.signal == "none":
             raise ValueError("the focus allocation needs an online signal (signal="
                              + ", ".join(s for s in SIGNALS if s != "none") + ")")
@@ -200,7 +229,8 @@ def _cachetune(settings: RankedSettings) -> Method:
                                           signal_tokens=settings.signal_tokens,
                                           signal_max_chunk=settings.signal_max_chunk,
                                           signal_pool=settings.signal_pool,
-                                          signal_dtype=settings.signal_dtype), settings)
+                                          signal_dtype=settings.signal_dtype,
+                                          deep_within=settings.deep_within), settings)
 
 
 @register("full_reuse", summary="nothing but uncached text (r = 0)")

@@ -43,17 +43,64 @@ DEVIATION_LAYER = 1
 # tokens, so it needs no float32 precision.
 SIGNAL_DTYPES = ("model", "auto", *DTYPES, "int8")
 SIGNAL_DTYPE = "model"
+# Deep focus's picks (the question over every layer, half the budget past the chunk starts) add this
+# share to `first`'s attention products: they see more rows and ride in wider attention blocks
+# (+23% on Qwen MuSiQue rows 56, 76, 16 and 36: results/qwen/selection/ttft_breakdown_deep_focus_amd_musique.md).
+EXTRA_ATTENTION = 0.25
+
+
+def linear_macs(adapter: ModelAdapter) -> int:
+    """Multiply-adds of one layer's linear maps for one token (its 2-D weights: projections and MLP)."""
+    return sum(w.numel() for w in adapter.layers[0].parameters() if w.dim() == 2)
+
+
+def deep_focus_price(adapter: ModelAdapter, layout: PromptLayout, ratio: float, dtype: str,
+               extra_attention: float = EXTRA_ATTENTION) -> float:
+    """Deep focus's predicted price over `first` at `ratio`: (its question pass over every layer + its
+    picks' extra attention) / first's prefill, counted in multiply-adds.
+
+    A token's linear maps cost linear_macs (halved in a pass that runs in bfloat16 or int8 where those
+    are fast: pass_dtype), its attention a query-key and a value product per row up to it. `first`
+    runs the uncached text and each chunk's first round(ratio x n) tokens; the pass runs the uncached
+    text over every layer; deep focus's picks lie deeper in their chunks and ride in wider attention
+    blocks, which adds `extra_attention` of first's attention products. The price falls with the
+    prompt's length where the linear maps dominate (Qwen2.5-1.5B on MuSiQue) and stays high on short
+    prompts and where attention dominates (SmolLM2-135M)."""
+    width = 2 * adapter.num_heads * adapter.head_dim           # multiply-adds per (query, visible row)
+    linear = linear_macs(adapter)
+    runs = pass_dtype(adapter, dtype)
+    cheap = runs == torch.int8 or (runs in (torch.bfloat16, torch.float16) and adapter.dtype == torch.float32
+                                   and fast_bfloat16(adapter.device))
+    uncached = torch.ones(layout.total, dtype=torch.bool)
+    picks, pick_rows = 0, 0.0
+    for start, seg in layout.chunk_segments:
+        n = seg.chunk.num_tokens
+        uncached[start:start + n] = False
+        k = round(ratio * n)                                    # first's picks: rows start .. start + k - 1
+        picks, pick_rows = picks + k, pick_rows + k * (start + (k + 1) / 2)
+    asked = int(uncached.sum())
+    asked_rows = float((uncached.nonzero().flatten() + 1).sum())  # rows the uncached queries see
+    first_attention = width * (asked_rows + pick_rows)
+    first = (asked + picks) * linear + first_attention
+    reading = asked * linear * (0.5 if cheap else 1.0) + width * asked_rows
+    return (reading + extra_attention * first_attention) / first
+
+
+def pass_dtype(adapter: ModelAdapter, dtype: str) -> torch.dtype:
+    """What a signal pass asked to run in `dtype` (SIGNAL_DTYPES) runs in here: torch.int8 for int8
+    weights (model.int8), else the floating dtype of its layers."""
+    if dtype not in SIGNAL_DTYPES:
+        raise ValueError(f"unknown signal dtype {dtype!r}; known: {', '.join(SIGNAL_DTYPES)}")
+    if dtype == "int8" and int8_supported(adapter.device):
+        return torch.int8
+    if dtype == "model" or (dtype in ("auto", "int8") and not fast_bfloat16(adapter.device)):
+        return adapter.dtype
+    return DTYPES.get(dtype, torch.bfloat16)
 
 
 def signal_adapter(adapter: ModelAdapter, layers: int, dtype: str) -> ModelAdapter:
     """The adapter a signal pass over layers [0, layers) runs on, in `dtype` (SIGNAL_DTYPES)."""
-    if dtype not in SIGNAL_DTYPES:
-        raise ValueError(f"unknown signal dtype {dtype!r}; known: {', '.join(SIGNAL_DTYPES)}")
-    if dtype == "int8" and int8_supported(adapter.device):
-        return adapter.cast(layers, torch.int8)
-    if dtype == "model" or (dtype in ("auto", "int8") and not fast_bfloat16(adapter.device)):
-        return adapter
-    return adapter.cast(layers, DTYPES.get(dtype, torch.bfloat16))
+    return adapter.cast(layers, pass_dtype(adapter, dtype))
 
 
 class QuestionAttention:
