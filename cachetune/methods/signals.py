@@ -13,6 +13,8 @@ of a prefill, so a selector can pick what depends on the question and on the nei
   reused token costs the answer is roughly the attention it gets times the error in its value).
 
 All count toward the request's time to first token. Scores compare across chunks.
+`deep_focus_price` predicts what the question's pass over every layer costs a request (the
+`deep_within` setting of methods.ranked decides by it).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def linear_macs(adapter: ModelAdapter) -> int:
 
 
 def deep_focus_price(adapter: ModelAdapter, layout: PromptLayout, ratio: float, dtype: str,
-               extra_attention: float = EXTRA_ATTENTION) -> float:
+                     extra_attention: float = EXTRA_ATTENTION) -> float:
     """Deep focus's predicted price over `first` at `ratio`: (its question pass over every layer + its
     picks' extra attention) / first's prefill, counted in multiply-adds.
 
