@@ -83,8 +83,8 @@ def main() -> None:
     engine = Engine.from_pretrained(config=EngineConfig(model=args.model, threads=1))
     rows = row_numbers(args.rows)
     examples = load_dataset(args.data, max(rows) + 1)
-    prices = {examples[r].id: deep_focus_price(engine.adapter, prompt_layout(engine, examples[r]), args.ratio,
-                                               DEEP_DTYPE) for r in rows}
+    layouts = {examples[r].id: prompt_layout(engine, examples[r]) for r in rows}
+    prices = {i: deep_focus_price(engine.adapter, layout, args.ratio, DEEP_DTYPE) for i, layout in layouts.items()}
     kl: dict[str, dict[str, dict]] = {args.shallow: {}, args.deep: {}}
     score: dict[str, dict[str, float]] = {args.shallow: {}, args.deep: {}}
     for path in args.files:
@@ -102,6 +102,9 @@ def main() -> None:
             chosen = args.deep if price <= within else args.shallow
             if i in kl[chosen]:  # answers go on lines of their own (the KL runs' full recompute ran elsewhere)
                 measured = {k: kl[chosen][i][k] for k in ("id", "kl", "ttft", "full_ttft", "share", "prompt")}
+                if measured["prompt"] != layouts[i].total:  # the price must be the measured prompt's
+                    raise SystemExit(f"{i}: {chosen} ran on a {measured['prompt']}-token prompt, this script "
+                                     f"builds {layouts[i].total} tokens (another --model, or the harness changed)")
                 lines.append({**measured, "variant": name, "price": price, "chosen": chosen})
             if i in score[chosen]:
                 lines.append({"id": i, "variant": name, "score": score[chosen][i], "price": price, "chosen": chosen})
