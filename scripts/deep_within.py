@@ -87,13 +87,13 @@ def main() -> None:
     prices = {i: deep_focus_price(engine.adapter, layout, args.ratio, DEEP_DTYPE) for i, layout in layouts.items()}
     kl: dict[str, dict[str, dict]] = {args.shallow: {}, args.deep: {}}
     score: dict[str, dict[str, float]] = {args.shallow: {}, args.deep: {}}
-    for path in args.files:
-        for row in read_rows(path, args.ratio):
-            if row["variant"] in kl:
-                kl[row["variant"]].setdefault(row["id"], row)
-        for row in read_scores(path, args.ratio):
-            if row["variant"] in score:
-                score[row["variant"]].setdefault(row["id"], row["score"])
+    for path in args.files:  # as selection_kl.py pools: within a file the last line wins, across files the first file
+        own_kl = {(r["variant"], r["id"]): r for r in read_rows(path, args.ratio) if r["variant"] in kl}
+        own_score = {(r["variant"], r["id"]): r["score"] for r in read_scores(path, args.ratio) if r["variant"] in score}
+        for (variant, i), row in own_kl.items():
+            kl[variant].setdefault(i, row)
+        for (variant, i), value in own_score.items():
+            score[variant].setdefault(i, value)
     lines = []
     for within in args.within:
         name = f"{args.shallow}:deep_within={within:g}"
