@@ -406,6 +406,21 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_calibrate_price(args) -> int:
+    from cachetune.eval.bench_batch import example_prompt
+    from cachetune.tuning.price import format_price, measure_price, save_price
+
+    engine = _engine(args)
+    prompts = [example_prompt(engine, ex, args.docs) for ex in _calibration_examples(args)]
+    report = measure_price(engine, prompts, engine.config.ratio, args.repeats)
+    report["data"] = args.data
+    _report_out(report, format_price(report), args.json)
+    if args.save:
+        key = save_price(engine, report)
+        print(f"saved for {key.text()} in {engine.calibration.path}", file=sys.stderr)
+    return 0
+
+
 def cmd_bench_calibrate(args) -> int:
     from cachetune.eval.bench_calibrate import CalibrationBenchConfig, format_table, plot_sweeps, run_bench_calibrate
     from cachetune.model.loader import load_model
@@ -616,6 +631,22 @@ def build_parser() -> argparse.ArgumentParser:
     _calibration_args(cal, limit=4)
     _engine_args(cal, own=("tiers",))
     cal.set_defaults(func=cmd_calibrate)
+
+    cp = sub.add_parser("calibrate-price", help="measure deep focus's price over first on this machine, which "
+                                                "the deep_within setting scales its predictions by")
+    from cachetune.tuning.price import REPEATS
+
+    cp.add_argument("--data", default="musique", help="prompts: dataset name or file (no answers are used) "
+                                                      "[%(default)s]")
+    cp.add_argument("--limit", type=int, default=4, help="prompts [%(default)s]")
+    cp.add_argument("--docs", type=int, default=0, help="documents per prompt (0: all) [%(default)s]")
+    cp.add_argument("--repeats", type=int, default=REPEATS, help="timed prefills per prompt and method "
+                                                                  "[%(default)s]")
+    cp.add_argument("--save", action=argparse.BooleanOptionalAction, default=True,
+                    help="store the scale in the calibration file (--calibration) [on]")
+    cp.add_argument("--json", help="write the report here (a .md beside it)")
+    _engine_args(cp)
+    cp.set_defaults(func=cmd_calibrate_price)
 
     bc = sub.add_parser("bench-calibrate", help="fixed against calibrated r per tier, the cost model against "
                                                 "measurement (paper Table 5, Figure 10)")

@@ -2,14 +2,14 @@
 focus, and what the selection that results measures, from runs that already measured both choices.
 
 A method with `deep_within=W` picks exactly deep focus's tokens on a request whose predicted price
-(methods.signals.deep_focus_price) is at most W, and exactly its own settings' tokens elsewhere
-(tests/test_methods.py::test_deep_within_...). Its KL, TTFT and answer on a row are therefore those
-that a run of the chosen selection measured on that row (plus the price's prediction, which is
-arithmetic on the prompt's segment lengths). This script computes each row's price from its prompt
-(tokenized only: no chunk is encoded, no model pass runs), takes the chosen selection's rows from the
-given files (`scripts/selection_kl.py` outputs and `cachetune eval` progress files, pooled: the first
-file's row stands), and writes the combined variant's rows in selection_kl.py's format, named
-"<shallow>:deep_within=W", for `selection_kl.py --summary` and `--f1`:
+(methods.signals.deep_focus_price, times the machine's price scale: --scale) is at most W, and exactly
+its own settings' tokens elsewhere (tests/test_methods.py::test_deep_within_...). Its KL, TTFT and
+answer on a row are therefore those that a run of the chosen selection measured on that row (plus the
+price's prediction, which is arithmetic on the prompt's segment lengths). This script computes each
+row's price from its prompt (tokenized only: no chunk is encoded, no model pass runs), takes the
+chosen selection's rows from the given files (`scripts/selection_kl.py` outputs and `cachetune eval`
+progress files, pooled: the first file's row stands), and writes the combined variant's rows in
+selection_kl.py's format, named "<shallow>:deep_within=W", for `selection_kl.py --summary` and `--f1`:
 
     source scripts/selection_methods.sh
     python scripts/deep_within.py --model qwen2.5-coder-1.5b --data musique --rows 0-99 --shallow "$FOCUS" \
@@ -37,7 +37,7 @@ from cachetune.eval.datasets import load_dataset
 from cachetune.eval.harness import QUESTION_LABEL, TASK_SYSTEM, DOCUMENT_SEPARATOR
 from cachetune.methods.layout import PromptLayout, Segment
 from cachetune.methods.ranked import DEEP_DTYPE
-from cachetune.methods.signals import deep_focus_price
+from cachetune.methods.signals import PRICE_SCALE, deep_focus_price
 
 sys.path.insert(0, str(Path(__file__).parent))
 from selection_kl import read_rows, read_scores  # noqa: E402  (a sibling script)
@@ -77,6 +77,8 @@ def main() -> None:
     p.add_argument("--shallow", required=True, help="the method's own settings (without deep_within)")
     p.add_argument("--deep", required=True, help="deep focus as the runs named it")
     p.add_argument("--within", type=float, nargs="+", required=True)
+    p.add_argument("--scale", type=float, default=PRICE_SCALE,
+                   help="the machine's measured over predicted price (cachetune calibrate-price) [%(default)s]")
     p.add_argument("--files", nargs="+", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -84,7 +86,8 @@ def main() -> None:
     rows = row_numbers(args.rows)
     examples = load_dataset(args.data, max(rows) + 1)
     layouts = {examples[r].id: prompt_layout(engine, examples[r]) for r in rows}
-    prices = {i: deep_focus_price(engine.adapter, layout, args.ratio, DEEP_DTYPE) for i, layout in layouts.items()}
+    prices = {i: args.scale * deep_focus_price(engine.adapter, layout, args.ratio, DEEP_DTYPE)
+              for i, layout in layouts.items()}
     kl: dict[str, dict[str, dict]] = {args.shallow: {}, args.deep: {}}
     score: dict[str, dict[str, float]] = {args.shallow: {}, args.deep: {}}
     for path in args.files:  # as selection_kl.py pools: within a file the last line wins, across files the first file

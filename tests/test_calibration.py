@@ -1,6 +1,6 @@
 """Hardware-aware recompute ratio (issue 15): the cost model, the golden-section search, the
 calibration file, throttled tiers, ratio="auto" in the engine, and calibration end to end on a tiny
-model over a real (throttled) disk tier."""
+model over a real (throttled) disk tier. Deep focus's measured price (issue 16) in the same file."""
 
 from __future__ import annotations
 
@@ -14,12 +14,15 @@ import torch
 
 from conftest import rand_ids, tiny_engine
 from cachetune.config import EngineConfig, TierSpec, parse_medium, parse_tiers
-from cachetune.engine.calibration import AUTO, CalibrationFile, CalibrationKey
+from cachetune.engine.calibration import AUTO, PRICE, CalibrationFile, CalibrationKey
+from cachetune.methods.ranked import DEEP_DTYPE
+from cachetune.methods.signals import PRICE_SCALE, deep_focus_price
 from cachetune.methods.prefill import reuse_plan
 from cachetune.store.memory import MemoryStore
 from cachetune.store.throttled import Medium, ThrottledStore
 from cachetune.store.tiered import TieredStore
 from cachetune.tuning.calibrate import CalibrationConfig, calibrate, measured_ttft, save_calibration
+from cachetune.tuning.price import deep_focus_spec, measure_price, save_price
 from cachetune.tuning.cost import PromptShape, Profile, model_optimum, nonnegative_fit, predict_ttft
 from cachetune.tuning.profile import prompt_shape, top_selections
 from cachetune.tuning.search import golden_section
@@ -289,3 +292,69 @@ def test_calibration_refuses_prompts_without_chunks_or_from_several_tiers(tmp_pa
     engine = tiny_engine(tiers="cpu")
     with pytest.raises(ValueError, match="chunks"):
         calibrate(engine, [engine.build_prompt([], "w1 w2")], progress=False)
+
+
+# ---- deep focus's price -----------------------------------------------------------------------
+PRICE_KEY = CalibrationKey("fp", "cpu:test:2t", "float32", "", PRICE)
+
+
+def test_a_price_scale_is_an_entry_of_its_own_beside_the_tier_ratios(tmp_path):
+    cal = CalibrationFile(tmp_path / "c.json")
+    cal.store(KEY, {"ratio": 0.3})
+    cal.store(PRICE_KEY, {"scale": 1.7, "ratio": 0.15})  # a price entry's ratio is where it was measured
+    assert cal.value(PRICE_KEY) == 1.7 and cal.ratio(KEY) == 0.3
+    assert cal.value(CalibrationKey("fp", "cpu:test:2t", "float32", "")) is None  # the ratio of tier ""
+    with pytest.raises(ValueError, match="unknown calibration kind"):
+        CalibrationKey("fp", "cpu", "float32", "", "speed")
+
+
+@pytest.mark.parametrize("scale", ["1.2", 0, -1.0, 1e6, None, True, float("inf")])
+def test_a_price_entry_without_a_valid_scale_is_never_used_nor_written(tmp_path, scale):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"format": "cachetune-calibration/1", "entries": {PRICE_KEY.text(): {"scale": scale}}}))
+    assert CalibrationFile(path).value(PRICE_KEY) is None
+    with pytest.raises(ValueError, match="scale"):
+        CalibrationFile(tmp_path / "d.json").store(PRICE_KEY, {"scale": scale})
+
+
+def _logits(engine, prompt, method):
+    return engine.prefill(prompt, method, 0.3).logits
+
+
+def test_deep_within_decides_by_the_engines_calibrated_price_scale(tmp_path):
+    """The same request takes deep focus under a small measured scale and its own settings under a
+    large one; with none, PRICE_SCALE stands in. Each choice computes exactly what that selection does."""
+    engine = tiny_engine(tiers="cpu", calibration=str(tmp_path / "c.json"))
+    prompt = engine.build_prompt([engine.cache_tokens(rand_ids(n, s)) for n, s in ((90, 61), (70, 62))],
+                                 "w5 w6 w7 w8")
+    price = deep_focus_price(engine.adapter, prompt, 0.3, DEEP_DTYPE)
+    assert 0 < price < 0.45
+    own = "cachetune:first:allocation=focus:start_share=0.8:signal=question:signal_layers=1:signal_tokens=1"
+    deep_logits = _logits(engine, prompt, deep_focus_spec(engine.adapter.num_layers))
+    own_logits = _logits(engine, prompt, own)
+    assert not torch.equal(deep_logits, own_logits)  # the two choices differ on this prompt
+    assert engine.price_scale() is None  # uncalibrated: PRICE_SCALE stands in
+    for within, expected in ((1.01 * PRICE_SCALE * price, deep_logits), (0.99 * PRICE_SCALE * price, own_logits)):
+        assert torch.equal(_logits(engine, prompt, f"{own}:deep_within={within}"), expected), within
+    within = f"{own}:deep_within={2 * price}"  # deep at a measured scale of 1.9, not at 2.1
+    for scale, expected in ((1.9, deep_logits), (2.1, own_logits)):
+        engine.calibration.store(engine.calibration_key("", PRICE), {"scale": scale})
+        assert engine.price_scale() == scale
+        assert torch.equal(_logits(engine, prompt, within), expected), scale
+
+
+def test_measure_price_times_first_and_deep_focus_and_its_saved_scale_is_the_engines(tmp_path):
+    engine = tiny_engine(tiers="cpu", calibration=str(tmp_path / "c.json"))
+    prompts = [_prompt(engine, (71, 72)), _prompt(engine, (73, 74))]
+    report = measure_price(engine, prompts, 0.15, repeats=1, progress=False)
+    assert [p["tokens"] for p in report["prompts"]] == [p.total for p in prompts]
+    for p, layout in zip(report["prompts"], prompts):
+        assert p["first_s"] > 0 and p["deep_s"] > 0
+        assert p["measured"] == pytest.approx(p["deep_s"] / p["first_s"] - 1)
+        assert p["predicted"] == deep_focus_price(engine.adapter, layout, 0.15, DEEP_DTYPE)
+    assert 1e-3 <= report["scale"] <= 1e3
+    key = save_price(engine, report)
+    assert key.kind == PRICE and engine.price_scale() == report["scale"]
+    assert engine.calibrated_ratios() == {}  # a price is not a tier's ratio
+    with pytest.raises(ValueError, match="chunks"):
+        measure_price(engine, [engine.build_prompt([], "w1 w2")], progress=False)

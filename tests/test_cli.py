@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from cachetune.cli import main
 from cachetune.config import EngineConfig
@@ -224,3 +225,17 @@ def test_calibrate_stores_a_ratio_that_ask_with_ratio_auto_then_uses(tmp_path, q
                  "--tiers", f"{tier}@20MB/s", "--calibration", calibration]) == 0
     assert f"[cachetune r={report['ratio']:.3g}]" in capsys.readouterr().err
     assert main(["calibrate", "--tier", "cpu,disk", "--data", str(qa_file)]) == 2  # one tier at a time
+
+
+def test_calibrate_price_stores_the_scale_deep_within_then_uses(tmp_path, qa_file, capsys):
+    calibration = tmp_path / "calibration.json"
+    code = main(["calibrate-price", "--data", str(qa_file), "--limit", "1", "--repeats", "1",
+                 "--calibration", str(calibration), "--json", str(tmp_path / "price.json")])
+    assert code == 0
+    report = json.loads((tmp_path / "price.json").read_text())
+    (prompt,) = report["prompts"]
+    assert prompt["first_s"] > 0 and prompt["deep_s"] > 0 and prompt["predicted"] > 0
+    assert "measured price" in capsys.readouterr().out
+    (entry,) = json.loads(calibration.read_text())["entries"].values()
+    assert entry["scale"] == report["scale"] and entry["key"]["kind"] == "price"
+    assert entry["key"]["device"] == device_identity(torch.device("cpu"))

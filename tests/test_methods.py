@@ -18,7 +18,7 @@ from cachetune.methods.prefix_cache import PrefixCache
 from cachetune.methods import SelectionRequest, SelectiveMethod, make_method, method_names, split_global_top
 from cachetune.methods.allocation import allocate, proportional_quotas
 from cachetune.methods.cacheslide import CacheSlideSelector
-from cachetune.methods.signals import (deep_focus_price, linear_macs, observe_reuse, position_weighted,
+from cachetune.methods.signals import (PRICE_SCALE, deep_focus_price, linear_macs, observe_reuse, position_weighted,
                                       question_attention, signal_adapter, top_attended, value_deviation)
 from cachetune.model.adapter import fast_bfloat16
 from conftest import assert_close, build_layout, hf_forward, none_selected, rand_ids
@@ -53,12 +53,12 @@ class _Rankings:
         return self.ranker(spec).scores(view)
 
 
-def _request(adapter, layout):
-    return SelectionRequest(layout, adapter, _Rankings(adapter))
+def _request(adapter, layout, price_scale=None):
+    return SelectionRequest(layout, adapter, _Rankings(adapter), price_scale=price_scale)
 
 
-def _select(name, adapter, layout, ratio):
-    return make_method(name).selector.select(_request(adapter, layout), ratio)
+def _select(name, adapter, layout, ratio, price_scale=None):
+    return make_method(name).selector.select(_request(adapter, layout, price_scale), ratio)
 
 
 SELECTIVE = [name for name in method_names() if isinstance(make_method(name), SelectiveMethod)]
@@ -362,20 +362,22 @@ def test_auto_signal_dtype_is_bfloat16_only_where_it_is_fast(llama):
         make_method("cachetune:first:allocation=starts:signal=question:signal_dtype=int4")
 
 
-def test_deep_within_takes_deep_focus_where_it_is_cheap_and_its_own_settings_elsewhere(llama):
-    """A request whose predicted deep-focus price is within `deep_within` picks exactly what deep focus
-    (every layer, start share 0.5, no cap, the pass in `auto`) picks; above it, what the settings pick."""
+@pytest.mark.parametrize("price_scale", [None, 0.5, 2.0])
+def test_deep_within_takes_deep_focus_where_it_is_cheap_and_its_own_settings_elsewhere(llama, price_scale):
+    """A request whose predicted deep-focus price times the machine's scale (PRICE_SCALE where it has
+    no calibration) is within `deep_within` picks exactly what deep focus (every layer, start share 0.5,
+    no cap, the pass in `auto`) picks; above it, what the settings pick."""
     _, adapter = llama
     layout, _ = build_layout(adapter, _parts(chunks=(90, 70, 120)))
-    price = deep_focus_price(adapter, layout, 0.3, "auto")
-    assert 0 < price < 1
+    price = (PRICE_SCALE if price_scale is None else price_scale) * deep_focus_price(adapter, layout, 0.3, "auto")
+    assert 0 < price < 0.99
     own = "cachetune:first:allocation=focus:start_share=0.8:signal=question:signal_layers=1:signal_tokens=1"
     deep = (f"cachetune:first:allocation=focus:start_share=0.5:signal=question:signal_layers={adapter.num_layers}"
             ":signal_tokens=none:signal_dtype=auto")
     picks = {name: _select(name, adapter, layout, 0.3) for name in (own, deep)}
     assert any(not torch.equal(a, b) for a, b in zip(picks[own], picks[deep]))  # the two choices differ here
-    for within, expected in [(min(1.0, price * 1.01), deep), (price * 0.99, own)]:
-        got = _select(f"{own}:deep_within={within}", adapter, layout, 0.3)
+    for within, expected in [(price * 1.01, deep), (price * 0.99, own)]:
+        got = _select(f"{own}:deep_within={within}", adapter, layout, 0.3, price_scale)
         assert all(torch.equal(a, b) for a, b in zip(got, picks[expected])), within
 
 

@@ -30,7 +30,8 @@ from cachetune.chunks.encode import chunk_id, encode_chunk
 from cachetune.chunks.probes import PROBE_PASSAGES, ProbeBank
 from cachetune.chunks.rankers import RankingContext, get_ranker
 from cachetune.config import EngineConfig, parse_tiers
-from cachetune.engine.calibration import AUTO, FILE_NAME, CalibrationFile, CalibrationKey, device_identity
+from cachetune.engine.calibration import (AUTO, FILE_NAME, PRICE, RATIO, CalibrationFile, CalibrationKey,
+                                         device_identity)
 from cachetune.engine.prompt import DEFAULT_SYSTEM, PromptTemplate
 from cachetune.engine.request import FinishCallback, GenerationResult, Request, RequestStatus, TokenCallback
 from cachetune.engine.scheduler import KVBudget, Scheduler
@@ -95,7 +96,7 @@ class Engine:
         self.prefix_cache = PrefixCache(max_blocks=config.prefix_blocks)
         self.extractors = ExtractorBank(self.adapter, weights_identity(self.model), self.fingerprint, self.eos_id())
         self.context = MethodContext(self.adapter, self.rankings, self.prefix_cache, Pipeline(overlap=config.prefetch),
-                                     self.store, self.extractors)
+                                     self.store, self.extractors, self.price_scale)
         self._tokens: LRUDict[str, torch.Tensor] = LRUDict(config.tracked_chunks)  # to re-encode a lost chunk
         self.kv_bytes_per_row = kv_bytes_per_row(self.adapter.num_layers, self.adapter.num_kv_heads,
                                                  self.adapter.head_dim, self.adapter.dtype)
@@ -279,9 +280,15 @@ class Engine:
         return make_method(self.config.method if spec is None else spec, self.config, ratio=ratio, ranking=ranking)
 
     # ---- calibrated ratios (cachetune calibrate) ------------------------------------------------
-    def calibration_key(self, tier: str) -> CalibrationKey:
-        """The calibration key of this engine's model, device and dtype for a tier label."""
-        return CalibrationKey(self.fingerprint, device_identity(self.adapter.device), self.config.dtype, tier)
+    def calibration_key(self, tier: str, kind: str = RATIO) -> CalibrationKey:
+        """The calibration key of this engine's model, device and dtype for a tier label (a ratio) or
+        for deep focus's price (kind PRICE, tier "")."""
+        return CalibrationKey(self.fingerprint, device_identity(self.adapter.device), self.config.dtype, tier, kind)
+
+    def price_scale(self) -> float | None:
+        """Deep focus's measured over predicted price on this machine (`cachetune calibrate-price`), or
+        None where it has none for this model, device and dtype."""
+        return self.calibration.value(self.calibration_key("", PRICE))
 
     def tier_labels(self) -> list[str]:
         """Labels of this engine's tiers, fastest first (what a calibration is keyed by)."""

@@ -53,6 +53,9 @@ class MethodContext:
     pipeline: Pipeline = Pipeline()  # how reused KV is loaded (overlap, sparse reads, deferred RoPE)
     store: ChunkStore | None = None          # where derived chunk KV (C2KV rows, ...) is kept with the rest
     extractors: ExtractorBank | None = None  # trained add-ons by name (C2KV, KVLink, Block-Attention)
+    # This machine's measured over predicted price of deep focus, read per request (None or a None
+    # reading: not calibrated; methods.signals.PRICE_SCALE stands in)
+    price_scale: Callable[[], float | None] | None = None
 
 
 class Method(ABC):

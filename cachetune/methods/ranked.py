@@ -15,9 +15,9 @@ from cachetune.methods.allocation import (ALLOCATIONS, PER_CHUNK, SIGNAL_TOKENS,
 from cachetune.methods.base import Method, NoSettings, RatioSettings, check_int, check_ratio, register
 from cachetune.methods.prefill import Prefilled
 from cachetune.methods.selector import SelectionRequest, SelectiveMethod, TokenSelector
-from cachetune.methods.signals import (DEVIATION_LAYER, SIGNAL_DTYPE, SIGNAL_DTYPES, SIGNAL_LAYERS, SIGNAL_POOL,
-                                      attended_deviation, deep_focus_price, position_weighted, question_attention,
-                                      signal_adapter, top_attended, value_deviation)
+from cachetune.methods.signals import (DEVIATION_LAYER, PRICE_SCALE, SIGNAL_DTYPE, SIGNAL_DTYPES, SIGNAL_LAYERS,
+                                      SIGNAL_POOL, attended_deviation, deep_focus_price, position_weighted,
+                                      question_attention, signal_adapter, top_attended, value_deviation)
 
 # Deep focus: the question's attention over every layer, half the budget on chunk starts and the rest
 # by that attention with no cap per chunk, the pass in bfloat16 where that is fast. On Qwen2.5-1.5B
@@ -48,8 +48,9 @@ class RankedSelector(TokenSelector):
     request with no such chunk skips the signal's pass (None: every chunk). `signal_dtype`: the dtype
     the signal's passes run in (methods.signals.SIGNAL_DTYPES). `deep_within` (signal "question"): a
     request whose deep focus is predicted to cost at most this share of `first`'s prefill
-    (methods.signals.deep_focus_price) takes it instead of the settings above: every layer,
-    DEEP_START_SHARE, no cap per chunk, DEEP_DTYPE (None: never). `ranker` None: the engine's default.
+    (methods.signals.deep_focus_price times the machine's price scale) takes it instead of the settings
+    above: every layer, DEEP_START_SHARE, no cap per chunk, DEEP_DTYPE (None: never). `ranker` None:
+    the engine's default.
     """
 
     reads_ranking = True
@@ -76,9 +77,12 @@ class RankedSelector(TokenSelector):
                 signal_adapter(adapter, adapter.num_layers, DEEP_DTYPE)
 
     def deep(self, request: SelectionRequest, ratio: float) -> bool:
-        """Whether this request takes deep focus: its pass over every layer is cheap beside its prefill."""
-        return self.signal == "question" and self.deep_within is not None and deep_focus_price(
-            request.adapter, request.layout, ratio, DEEP_DTYPE) <= self.deep_within
+        """Whether this request takes deep focus: its pass over every layer is cheap beside its prefill
+        (the predicted price times the machine's measured scale, PRICE_SCALE where it has none)."""
+        if self.signal != "question" or self.deep_within is None:
+            return False
+        scale = PRICE_SCALE if request.price_scale is None else request.price_scale
+        return scale * deep_focus_price(request.adapter, request.layout, ratio, DEEP_DTYPE) <= self.deep_within
 
     def select(self, request: SelectionRequest, ratio: float) -> list[torch.Tensor]:
         return self.choose(request, ratio)[0]

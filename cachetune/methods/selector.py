@@ -33,6 +33,7 @@ class SelectionRequest:
     rankings: RankingSource
     capacity: int = 0              # KV rows the prefill will allocate (prompt + decoding room)
     pipeline: Pipeline = Pipeline()  # how the request loads reused KV (a selector's own pass too)
+    price_scale: float | None = None  # this machine's measured over predicted price (None: not calibrated)
 
     @property
     def chunks(self) -> list[StoredChunk]:
@@ -100,7 +101,8 @@ class SelectiveMethod(Method):
             ctx.rankings.scores(chunk, self.selector.ranker)
 
     def prefill(self, ctx: MethodContext, layout: PromptLayout, capacity: int) -> Prefill:
-        request = SelectionRequest(layout, ctx.adapter, ctx.rankings, capacity, ctx.pipeline)
+        request = SelectionRequest(layout, ctx.adapter, ctx.rankings, capacity, ctx.pipeline,
+                                   ctx.price_scale() if ctx.price_scale is not None else None)
         selections, prefilled = self.selector.choose(request, self.ratio)
         if self.selector.drops_unselected:
             return pruned_prefill(ctx.adapter, layout, selections, capacity)

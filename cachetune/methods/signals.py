@@ -14,7 +14,8 @@ of a prefill, so a selector can pick what depends on the question and on the nei
 
 All count toward the request's time to first token. Scores compare across chunks.
 `deep_focus_price` predicts what the question's pass over every layer costs a request (the
-`deep_within` setting of methods.ranked decides by it).
+`deep_within` setting of methods.ranked decides by it, times the machine's measured price scale, or
+PRICE_SCALE where it has none).
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ SIGNAL_DTYPE = "model"
 # share to `first`'s attention products: they see more rows and ride in wider attention blocks
 # (+23% on Qwen MuSiQue rows 56, 76, 16 and 36: results/qwen/selection/ttft_breakdown_deep_focus_amd_musique.md).
 EXTRA_ATTENTION = 0.25
+# Measured price over predicted where the machine has no calibration of its own (`cachetune
+# calibrate-price` measures it): the prediction as counted. On the 2-core AMD EPYC with AVX512-BF16
+# the measured scale is 1.06 (95% CI 0.74-1.35; Qwen2.5-1.5B, 34 rows of MuSiQue, 2WikiMQA and
+# held-out HotpotQA, scripts/price_fit.py; docs/results.md, issue 16, thirty-first session).
+PRICE_SCALE = 1.0
 
 
 def linear_macs(adapter: ModelAdapter) -> int:
