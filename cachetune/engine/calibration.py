@@ -8,15 +8,15 @@
 
     {"format": "cachetune-calibration/1",
      "entries": {"<fingerprint>|<device>|<dtype>|<tier>": {"ratio": 0.31, "min_ratio": 0.15, ...},
-                 "<fingerprint>|<device>|<dtype>||price": {"scale": 1.14, ...}}}
+                 "<fingerprint>|<device>|<dtype>||price": {"scale": 1.06, ...}}}
 
 A key names everything the best ratio depends on: the model's weights (fingerprint), the device
 (a GPU's name, or the CPU's model and thread count: a copied file is not valid on another machine),
 the dtype, the tier's label (config.TierSpec.label) and what was measured (KINDS). An entry whose
-key no longer matches is simply never found. The file is plain JSON (nothing is unpickled); writes replace it atomically
-under a lock, so calibrations of several tiers can run at once; a file that cannot be read or an
-entry without a valid value (KINDS) is reported and ignored, never used (a store() moves an unreadable
-file aside to `<name>.bad` rather than overwrite it).
+key no longer matches is simply never found. The file is plain JSON (nothing is unpickled); writes
+replace it atomically under a lock, so calibrations of several tiers can run at once; a file that
+cannot be read or an entry without a valid value (KINDS) is reported and ignored, never used (a
+store() moves an unreadable file aside to `<name>.bad` rather than overwrite it).
 """
 
 from __future__ import annotations
