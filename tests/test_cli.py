@@ -227,7 +227,7 @@ def test_calibrate_stores_a_ratio_that_ask_with_ratio_auto_then_uses(tmp_path, q
     assert main(["calibrate", "--tier", "cpu,disk", "--data", str(qa_file)]) == 2  # one tier at a time
 
 
-def test_calibrate_price_stores_the_scale_deep_within_then_uses(tmp_path, qa_file, capsys):
+def test_calibrate_price_writes_its_report_and_stores_the_measured_scale(tmp_path, qa_file, capsys):
     calibration = tmp_path / "calibration.json"
     code = main(["calibrate-price", "--data", str(qa_file), "--limit", "1", "--repeats", "1",
                  "--calibration", str(calibration), "--json", str(tmp_path / "price.json")])
