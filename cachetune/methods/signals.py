@@ -52,9 +52,9 @@ SIGNAL_DTYPE = "model"
 EXTRA_ATTENTION = 0.25
 # Measured price over predicted where the machine has no calibration of its own (`cachetune
 # calibrate-price` measures it): the prediction as counted. On the 2-core AMD EPYC with AVX512-BF16
-# the measured scale is 1.04 (95% CI 0.78-1.30; Qwen2.5-1.5B, 52 rows of MuSiQue, 2WikiMQA and
+# the measured scale is 1.05 (95% CI 0.85-1.25; Qwen2.5-1.5B, 85 rows of MuSiQue, 2WikiMQA and
 # held-out HotpotQA, scripts/price_fit.py; 0.90 by calibrate-price; docs/results.md, issue 16,
-# thirty-first session).
+# thirty-first and thirty-second sessions).
 PRICE_SCALE = 1.0
 
 

@@ -62,9 +62,10 @@ class Server:
         if calibrated and config.auto_ratio:
             log.info("requests without a ratio use the calibrated one (%s): %s", engine.calibration.path,
                      ", ".join(f"{tier} r={r:.3f}" for tier, r in calibrated.items()))
-        if engine.price_scale() is not None:
+        scale = engine.price_scale()
+        if scale is not None:
             log.info("deep_within scales deep focus's predicted price by %.3f, measured here (%s)",
-                     engine.price_scale(), engine.calibration.path)
+                     scale, engine.calibration.path)
 
     # ---- checks ---------------------------------------------------------------------------------
     def authorize(self, http: HttpRequest) -> None:
