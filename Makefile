@@ -85,8 +85,9 @@ eval: install
 		--json results/smollm2/eval_multi_news.json --plots results/smollm2/multi_news
 
 # cachetune as issues 3-15 measured it: each chunk's top r by its offline ranking alone (the
-# default since issue 16 adds the question signal); the targets whose committed results predate it.
-ISSUE4_SELECTION := --allocation proportional --signal none
+# default since issue 16 adds the question signal, and deep focus where it is cheap); the targets
+# whose committed results predate it (their progress files' run keys name no deep focus).
+ISSUE4_SELECTION := --allocation proportional --signal none --deep-within 0
 QWEN_METHODS := full_recompute,full_reuse,cachetune,cacheblend,epic,prophetkv,cacheslide,ape,random,cachetune:first
 eval-qwen: qwen
 	for d in musique 2wikimqa; do $(VENV)/bin/cachetune eval --model qwen2.5-coder-1.5b --dtype bfloat16 \

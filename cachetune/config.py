@@ -140,10 +140,12 @@ class EngineConfig:
     calibration: str | None = None  # the calibration file "auto" reads (None: <cache dir>/calibration.json)
     ranking: str = "first"          # offline ranker stored with each chunk, read by cachetune (chunks.rankers)
     # Issue 16's default: every chunk's first tokens, then the rest shared among chunks by where the
-    # question attends in the first layers, up to 4 of its picks per chunk (docs/methods.md);
-    # "proportional" / "none" is issue 4's `first` alone.
+    # question attends in the first layers, up to 4 of its picks per chunk, and the question read over
+    # every layer where that pass is cheap beside the prefill (docs/methods.md); "proportional" /
+    # "none" is issue 4's `first` alone.
     allocation: str = "focus"       # how cachetune shares a request's budget among chunks (methods.allocation)
     signal: str = "question"        # cachetune's online signal within the allocation (SIGNALS)
+    deep_within: float = 0.08       # focus + question: deep focus where its predicted price over first's is at most this (0: never)
     alpha: float = 0.5              # share of low frequencies kept by the `lf` ranking
     max_new_tokens: int = 64        # decode budget of a request that sets none
     c2kv_extractor: str = "bundled"  # C2KV extractor: "bundled" (shipped for the model), "paper", "step0" or a file
@@ -174,7 +176,7 @@ class EngineConfig:
                              + ", ".join(s for s in SIGNALS if s != "none"))
         if not 0 < self.alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
-        for name in ("ratio", "min_ratio"):
+        for name in ("ratio", "min_ratio", "deep_within"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         for name in ("threads", "max_new_tokens", "kv_budget_bytes", "max_running", "prefill_tokens_per_step",

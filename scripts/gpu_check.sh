@@ -46,12 +46,12 @@ case "${1:-}" in
         fi
         report=/tmp/gpu_selection/eval_$set.json
         timeout "${SET_SECONDS:-130}" "${CT[@]}" eval --device "$DEVICE" --dtype float32 --data "$set" \
-            --limit "${LIMIT:-100}" --ratios 0.15 --repeats 2 --methods "$BAR_METHODS" --json "$report" \
+            --limit "${LIMIT:-100}" --ratios 0.15 --repeats 2 --deep-within 0 --methods "$BAR_METHODS" --json "$report" \
             2>&1 | tr '\r' '\n' | grep -v "^eval: .*request/s" | tee -a "$OUT/eval.log"
         # Cut short: write the report over the examples it finished (they resume from the progress file).
         done_rows=$(wc -l < "${report%.json}.progress.jsonl" 2>/dev/null || echo 0)
         [ -f "$report" ] || [ "$done_rows" = 0 ] || "${CT[@]}" eval --device "$DEVICE" --dtype float32 --data "$set" \
-            --limit "$done_rows" --ratios 0.15 --repeats 2 --methods "$BAR_METHODS" --json "$report" 2>&1 \
+            --limit "$done_rows" --ratios 0.15 --repeats 2 --deep-within 0 --methods "$BAR_METHODS" --json "$report" 2>&1 \
             | tr '\r' '\n' | grep -v "^eval: .*request/s" | tail -3 | tee -a "$OUT/eval.log"
     done
     [ -n "${VARIANTS:-}" ] || tar -czf "$OUT/gpu_selection.tar.gz" -C /tmp gpu_selection

@@ -7,6 +7,7 @@ run as every other variant. Resumable: rows already in the output file are skipp
     python scripts/selection_kl.py --data hotpotqa_heldout --limit 12 [--skip N] --variants FILE --out OUT.jsonl
     python scripts/selection_kl.py --data musique --rows 37,43,48 --variants FILE --out OUT.jsonl
     python scripts/selection_kl.py --summary OUT.jsonl [...] [--baseline VARIANT] [--pool] [--only VARIANT ...]
+                                   [--plot PNG [--title T] [--ttft-bar 1.10]]
     python scripts/selection_kl.py --data musique --rows 0,1 --answers --variants FILE --out ANSWERS.jsonl
     python scripts/selection_kl.py --f1 ANSWERS.jsonl EVAL.progress.jsonl [...] [--only VARIANT ...]
 
@@ -46,13 +47,16 @@ from cachetune.engine.engine import Engine
 from cachetune.eval.datasets import load_dataset
 from cachetune.eval.harness import Variant, _teacher_forced_logits, prepare
 from cachetune.eval.metrics import bootstrap_mean, kl_to_reference, paired_ratio, score_answer
+from cachetune.eval.report import pyplot, save_figure
 from cachetune.methods.full_recompute import FULL_RECOMPUTE
 
 
 def run(args) -> None:
     specs = [line.strip() for line in Path(args.variants).read_text().splitlines()
              if line.strip() and not line.startswith("#")]
-    config = EngineConfig(model=args.model, threads=args.threads, allocation="proportional", signal="none")
+    # Every variant means what its name spells: no selection setting comes from the engine's defaults.
+    config = EngineConfig(model=args.model, threads=args.threads, allocation="proportional", signal="none",
+                          deep_within=0)
     engine = Engine.from_pretrained(config=config)
     out = Path(args.out)
     done = set()
@@ -234,22 +238,28 @@ def over_full(row: dict) -> float:
     return row["ttft"] / row["full_ttft"]
 
 
-def summary(paths: list[str], baseline: str = "cachetune", ratio: float = EngineConfig.ratio,
-            pool: bool = False, only: list[str] | None = None) -> str:
-    """Markdown: per file (or, with `pool`, for all files as one sample, an example's variants
-    joined across files), on the examples every shown variant has, each variant's mean KL; its
-    paired difference to `baseline` (mean per-example KL(variant) - KL(baseline), 95% bootstrap
-    interval) and the examples each of the two has the lower KL on (Qwen's KL is heavy-tailed, so
-    the counts say what a mean may hide); and its mean per-example TTFT ratio to `baseline`, each
-    over the full recompute timed in its own run. Shown: `only` and the baseline where given, else
-    the variants every file has."""
+def compare(paths: list[str], baseline: str = "cachetune", ratio: float = EngineConfig.ratio,
+            pool: bool = False, only: list[str] | None = None) -> list[dict]:
+    """Per file (or, with `pool`, for all files as one sample, an example's variants joined across
+    files), on the examples every shown variant has: {"name", "baseline", "examples", "prompt" (mean
+    tokens), "rows"}, each row a variant's mean KL, its paired difference to `baseline` (mean per-example
+    KL(variant) - KL(baseline), "diff" with its 95% bootstrap interval "low", "high") and the examples
+    each of the two has the lower KL on ("lower", "higher"; Qwen's KL is heavy-tailed, so the counts
+    say what a mean may hide), its mean per-example TTFT ratio to `baseline` ("ttft"), each over the
+    full recompute timed in its own run, against the baseline's row in the variant's own file where
+    that file timed it (one machine, one pass: runs on other CPUs price full recompute differently),
+    and its recomputed share. Shown: `only` and the baseline where
+    given, else the variants every file has."""
     groups = {" + ".join(paths): paths} if pool else {p: [p] for p in paths}
-    parts = []
+    out = []
     for name, files in groups.items():
         by: dict[str, dict[str, dict]] = defaultdict(dict)
         in_files: dict[str, set[int]] = defaultdict(set)
+        timed_with: dict[tuple[int, str], dict] = {}  # (file, example) -> the baseline's row in that file
         for n, path in enumerate(files):
             for row in read_rows(path, ratio):
+                if row["variant"] == baseline:
+                    timed_with[(n, row["id"])] = row
                 seen = by[row["variant"]].get(row["id"])
                 in_files[row["variant"]].add(n)
                 if seen is not None and seen["file"] != n:
@@ -270,21 +280,69 @@ def summary(paths: list[str], baseline: str = "cachetune", ratio: float = Engine
             variants = {v: rows for v, rows in by.items() if len(in_files[v]) == len(files)}
         ids = set.intersection(*(set(rows) for rows in variants.values()))
         base = by[baseline]
-        parts += [f"{name}: {len(ids)} examples, ~{statistics.fmean(base[i]['prompt'] for i in ids):.0f} prompt tokens",
+        order = sorted(ids)  # a fixed order, so the bootstrap resamples the same examples every time
+
+        def beside(row: dict) -> dict:
+            """The baseline's row a row's TTFT is compared with: its own file's where that file has one."""
+            return timed_with.get((row["file"], row["id"]), base[row["id"]])
+
+        rows = []
+        for variant, mine in variants.items():
+            diffs = [mine[i]["kl"] - base[i]["kl"] for i in order]
+            low, high = bootstrap_mean(diffs)
+            rows.append({"variant": variant, "kl": statistics.fmean(mine[i]["kl"] for i in ids),
+                         "diff": statistics.fmean(diffs), "low": low, "high": high,
+                         "lower": sum(d < 0 for d in diffs), "higher": sum(d > 0 for d in diffs),
+                         "ttft": statistics.fmean(over_full(mine[i]) / over_full(beside(mine[i])) for i in ids),
+                         "share": statistics.fmean(mine[i]["share"] for i in ids)})
+        out.append({"name": name, "baseline": baseline, "examples": len(ids),
+                    "prompt": statistics.fmean(base[i]["prompt"] for i in ids), "rows": rows})
+    return out
+
+
+def summary(paths: list[str], baseline: str = "cachetune", ratio: float = EngineConfig.ratio,
+            pool: bool = False, only: list[str] | None = None) -> str:
+    """Markdown: compare()'s tables, one per file or one for the pooled files."""
+    parts = []
+    for group in compare(paths, baseline, ratio, pool, only):
+        parts += [f"{group['name']}: {group['examples']} examples, ~{group['prompt']:.0f} prompt tokens",
                   "", "| variant | KL to full | KL - baseline (95% CI) | lower KL: variant / baseline "
                   "| TTFT / baseline | recomputed share |", "|---|---|---|---|---|---|"]
-        order = sorted(ids)  # a fixed order, so the bootstrap resamples the same examples every time
-        for variant, rows in variants.items():
-            kl = statistics.fmean(rows[i]["kl"] for i in ids)
-            diffs = [rows[i]["kl"] - base[i]["kl"] for i in order]
-            lo, hi = bootstrap_mean(diffs)
-            wins = f"{sum(d < 0 for d in diffs)} / {sum(d > 0 for d in diffs)}"
-            rel = statistics.fmean(over_full(rows[i]) / over_full(base[i]) for i in ids)
-            share = statistics.fmean(rows[i]["share"] for i in ids)
-            parts.append(f"| {variant} | {kl:.4f} | {statistics.fmean(diffs):+.4f} ({lo:+.4f}, {hi:+.4f}) | {wins} "
-                         f"| {rel:.2f} | {share:.3f} |")
+        for r in group["rows"]:
+            parts.append(f"| {r['variant']} | {r['kl']:.4f} | {r['diff']:+.4f} ({r['low']:+.4f}, {r['high']:+.4f}) "
+                         f"| {r['lower']} / {r['higher']} | {r['ttft']:.2f} | {r['share']:.3f} |")
         parts.append("")
     return "\n".join(parts)
+
+
+def plot_summary(groups: list[dict], path: str | Path, title: str, ttft_bar: float | None = None,
+                 names: dict[str, str] | None = None) -> Path:
+    """KL to full against TTFT over the baseline, one panel per compare() group, each variant a point
+    labelled by `names` (spec -> short name) where it has one; `ttft_bar` shades the TTFT the bar allows."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 4.8), squeeze=False)
+    for ax, group in zip(axes[0], groups):
+        if ttft_bar is not None:
+            ax.axvspan(min(r["ttft"] for r in group["rows"]) - 0.02, ttft_bar, color="green", alpha=0.08,
+                       label=f"TTFT within {ttft_bar:.2f}x")
+        for i, r in enumerate(group["rows"]):
+            label = short_name(r["variant"], names or {})
+            ax.scatter([r["ttft"]], [r["kl"]], s=45, color=plt.cm.tab10(i % 10), marker="osD^v<>ph*"[i % 10])
+            ax.annotate(label, (r["ttft"], r["kl"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.set_xlabel(f"TTFT over {short_name(group['baseline'], names or {})}'s (mean per-example ratio)")
+        ax.set_ylabel("KL to full recompute (lower is better)")
+        ax.set_title(f"{Path(group['name'].split(' + ')[0]).stem} ({group['examples']} ex.)", fontsize=9)
+        ax.grid(alpha=0.3)
+    return save_figure(fig, path, title)
+
+
+def short_name(spec: str, names: dict[str, str]) -> str:
+    """`spec` with the longest named spec it starts with replaced by that name ("$FOCUS:deep_within=0.08"
+    -> "focus:deep_within=0.08"), else `spec` itself."""
+    for full in sorted(names, key=len, reverse=True):
+        if spec == full or spec.startswith(full + ":"):
+            return names[full] + spec[len(full):]
+    return spec
 
 
 def main() -> None:
@@ -305,11 +363,19 @@ def main() -> None:
     p.add_argument("--baseline", default="cachetune", help="--summary: the variant TTFT is relative to")
     p.add_argument("--pool", action="store_true", help="--summary: all files as one sample")
     p.add_argument("--only", nargs="+", help="--summary, --f1: show these variants (and the baseline) only")
+    p.add_argument("--plot", help="--summary: also draw KL against TTFT over the baseline to this PNG")
+    p.add_argument("--title", default="KL and TTFT at r = 0.15", help="--plot: the figure's title")
+    p.add_argument("--ttft-bar", type=float, help="--plot: shade TTFT over the baseline up to this (the bar's 1.10)")
     args = p.parse_args()
     if args.f1:
         print(f1_summary(args.f1, args.ratio, args.only))
     elif args.summary:
         print(summary(args.summary, args.baseline, args.ratio, args.pool, args.only))
+        if args.plot:
+            from bars import method_names  # a sibling script: the names scripts/selection_methods.sh gives
+            names = {spec: name.lower() for name, spec in method_names().items()}
+            groups = compare(args.summary, args.baseline, args.ratio, args.pool, args.only)
+            print(f"wrote {plot_summary(groups, args.plot, args.title, args.ttft_bar, names)}")
     else:
         run(args)
 

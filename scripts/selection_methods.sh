@@ -15,5 +15,8 @@ FOCUS=cachetune:first:allocation=focus:start_share=0.8:signal=question:signal_la
 # DRIFT (twenty-fifth session): half the budget on chunk starts, the rest the tokens whose layer-1
 # values drift most in context (CacheBlend's deviation), the pass run in bfloat16 on cast layers.
 DRIFT=cachetune:first:allocation=starts:start_share=0.5:signal=deviation:signal_dtype=bfloat16
+# D28 (twenty-sixth session on): deep focus, the question read over all 28 of Qwen2.5-1.5B's layers in
+# bfloat16, focus's shape at start share 0.5 with no cap per chunk (what `deep_within` runs on Qwen).
+D28=cachetune:first:allocation=focus:start_share=0.5:signal=question:signal_layers=28:signal_tokens=none:signal_dtype=bfloat16
 # The methods the first bar orders, and the reference points beside them.
 BAR_METHODS=full_reuse,epic,cacheblend,prophetkv,$FIRST,$DEFAULT,$CANDIDATE,$STARTS,$FOCUS

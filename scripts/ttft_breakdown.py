@@ -84,7 +84,8 @@ def main() -> None:
     args = p.parse_args()
     forward.sparse_causal_attention = _counted_attention
     ranked.question_attention = prophetkv.question_attention = _counted_pass
-    engine = Engine.from_pretrained(config=EngineConfig(model=args.model, threads=args.threads))
+    # deep_within=0: a name that does not set deep focus means the selection it spells (as before the default).
+    engine = Engine.from_pretrained(config=EngineConfig(model=args.model, threads=args.threads, deep_within=0))
     example = load_dataset(args.data, args.row + 1)[args.row]
     variants = [Variant(m, m, args.ratio) for m in args.methods]
     req = prepare(engine, example, variants)

@@ -331,7 +331,7 @@ def test_deep_within_decides_by_the_engines_calibrated_price_scale(tmp_path):
     assert 0 < price < 0.45
     own = "cachetune:first:allocation=focus:start_share=0.8:signal=question:signal_layers=1:signal_tokens=1"
     deep_logits = _logits(engine, prompt, deep_focus_spec(engine.adapter.num_layers))
-    own_logits = _logits(engine, prompt, own)
+    own_logits = _logits(engine, prompt, f"{own}:deep_within=0")
     assert not torch.equal(deep_logits, own_logits)  # the two choices differ on this prompt
     assert engine.price_scale() is None  # uncalibrated: PRICE_SCALE stands in
     for within, expected in ((1.01 * PRICE_SCALE * price, deep_logits), (0.99 * PRICE_SCALE * price, own_logits)):

@@ -23,7 +23,8 @@ def test_config_loads_from_toml_and_json_with_overrides(tmp_path):
 @pytest.mark.parametrize("bad", [{"dtype": "int8"}, {"tiers": "tape:1GiB"}, {"alpha": 0.0}, {"threads": 0}, {"ratio": 1.5},
                                  {"device": "gpu0"}, {"device": "mps"}, {"threads": "2"}, {"prefetch": "yes"},
                                  {"ratio": float("nan")}, {"kv_budget_bytes": 0}, {"max_running": True},
-                                 {"allocation": "sideways"}, {"signal": "psychic"}])
+                                 {"allocation": "sideways"}, {"signal": "psychic"}, {"deep_within": 1.5},
+                                 {"deep_within": None}])
 def test_config_rejects_invalid_values(bad):
     with pytest.raises(ValueError):
         EngineConfig(**bad)

@@ -261,7 +261,7 @@ def test_sweep_examples_keep_only_the_main_ratio_past_the_first_examples():
         EvalConfig(methods=["cachetune"], ratios=(0.15,), sweep_examples=-1)
 
 
-def test_run_key_names_the_selection_only_where_a_method_reads_it_from_the_config():
+def test_run_key_names_the_selection_where_a_method_reads_it_and_deep_focus_whenever_it_is_on():
     from conftest import tiny_engine
 
     engine = tiny_engine(allocation="proportional", signal="none", self_check=False)  # not the defaults
@@ -275,6 +275,11 @@ def test_run_key_names_the_selection_only_where_a_method_reads_it_from_the_confi
     # explicit names measure the same whatever the defaults: a run resumes under other defaults
     assert EvalConfig(methods=["cachetune:first:allocation=spread:signal=question"]).run_key(other) == \
         EvalConfig(methods=["cachetune:first:allocation=spread:signal=question"]).run_key(engine)
+    # deep focus by default is named whatever the methods (files before it ran without), unless off
+    assert other.config.deep_within > 0
+    assert EvalConfig(methods=["epic"]).run_key(other)["deep_within"] == other.config.deep_within
+    off = tiny_engine(deep_within=0, self_check=False)
+    assert "deep_within" not in EvalConfig(methods=["cachetune", "epic"]).run_key(off)
 
 
 def _script(name: str):
@@ -358,6 +363,30 @@ def test_selection_kl_summary_is_relative_to_the_named_baseline_and_names_the_va
         selection_kl.summary([str(path)])
 
 
+def test_selection_kl_plot_draws_one_panel_per_file_with_short_names_for_named_specs(tmp_path):
+    """--summary --plot: compare()'s groups (one per file unless pooled) become one panel each, a
+    PNG on disk; a spec named in scripts/selection_methods.sh is shown by its name, a setting added to
+    it kept after the name, and any other spec as it is."""
+    from PIL import Image
+
+    selection_kl = _script("selection_kl")
+    paths = []
+    for n, kl in enumerate((0.1, 0.3)):
+        path = tmp_path / f"set{n}.jsonl"
+        path.write_text("".join(json.dumps({"id": i, "variant": v, "kl": kl * (1 + i), "ttft": t, "full_ttft": 50.0,
+                                            "share": 0.15, "prompt": 100}) + "\n"
+                                for i in range(2) for v, t in (("p", 10.0), ("p:x=1", 11.0), ("q", 12.0))))
+        paths.append(str(path))
+    groups = selection_kl.compare(paths, baseline="p")
+    assert [g["examples"] for g in groups] == [2, 2]
+    assert [round(r["ttft"], 3) for r in groups[1]["rows"]] == [1.0, 1.1, 1.2]
+    one = Image.open(selection_kl.plot_summary(groups[:1], tmp_path / "one.png", "t", ttft_bar=1.1))
+    two = Image.open(selection_kl.plot_summary(groups, tmp_path / "two.png", "t", names={"p": "first"}))
+    assert two.width > 1.8 * one.width  # a panel per group
+    assert selection_kl.short_name("p:x=1", {"p": "first", "p:x": "other"}) == "first:x=1"
+    assert selection_kl.short_name("pq", {"p": "first"}) == "pq"
+
+
 def test_selection_kl_f1_is_each_variants_score_over_full_recomputes_from_a_progress_file(tmp_path):
     """--f1: an answers run's scores (--answers rows) and a KL run's (with full recompute's score) join
     a progress file's, whose full recompute is the reference; the ratio is of means over the examples
@@ -409,7 +438,8 @@ def test_selection_kl_summary_pools_an_eval_progress_file_with_its_own_rows_at_t
     "<m>@<r>" read as "<m>", other ratios left out) join this script's rows as one sample, over the
     variants both files have; an example in two files is joined, never counted twice, and refused
     where the two disagree on a KL; --only picks variants that not every file has, and each TTFT is
-    taken over the full recompute timed in its own run."""
+    taken over the full recompute timed in its own run, against the baseline's row in the same file
+    where that file timed one."""
     import pytest
 
     selection_kl = _script("selection_kl")
@@ -436,12 +466,13 @@ def test_selection_kl_summary_pools_an_eval_progress_file_with_its_own_rows_at_t
     assert "only_here" not in table
     pooled_twice = selection_kl.summary([own, own], baseline="p", pool=True)
     assert pooled_twice.splitlines()[1:] == selection_kl.summary([own], baseline="p").splitlines()[1:]
-    # r ran in a slower run on both examples, twice p's share of its own full recompute
+    # r ran in a slower run on both examples, twice p's share of its own full recompute; that run
+    # also timed p on e2, at r's share, and r on e2 is compared with that p
     later = write("later.jsonl", [{"id": e, "variant": "r", "kl": 0.1, "ttft": 40.0, "full_ttft": 200.0}
-                                  for e in ("e1", "e2")] + [{"id": "e2", "variant": "p", "kl": 0.3, "ttft": 1.0,
-                                                             "full_ttft": 1.0}])
+                                  for e in ("e1", "e2")] + [{"id": "e2", "variant": "p", "kl": 0.3, "ttft": 40.0,
+                                                             "full_ttft": 200.0}])
     table = selection_kl.summary([str(progress), own, later], baseline="p", pool=True, only=["r"])
-    assert "| r | 0.1000 | -0.3000 (-0.4000, -0.2000) | 2 / 0 | 2.00 | 0.150 |" in table and "| q |" not in table
+    assert "| r | 0.1000 | -0.3000 (-0.4000, -0.2000) | 2 / 0 | 1.50 | 0.150 |" in table and "| q |" not in table
     # another CPU's float32 kernels: the same KL to the last digits is the same example, joined
     machine = write("machine.jsonl", [{"id": "e2", "variant": "p", "kl": 0.300002, "ttft": 1.0, "full_ttft": 1.0}])
     assert "1 examples" in selection_kl.summary([own, machine], baseline="p", pool=True)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cachetune.chunks.rankers import ChunkView, get_ranker
+from cachetune.config import EngineConfig
 from cachetune.methods.ape import APESettings, ape_attention, ape_prefill
 from cachetune.runtime.decode import SamplingConfig, extend, generate_tokens
 from cachetune.methods.layout import PromptLayout, Segment
@@ -366,19 +367,44 @@ def test_auto_signal_dtype_is_bfloat16_only_where_it_is_fast(llama):
 def test_deep_within_takes_deep_focus_where_it_is_cheap_and_its_own_settings_elsewhere(llama, price_scale):
     """A request whose predicted deep-focus price times the machine's scale (PRICE_SCALE where it has
     no calibration) is within `deep_within` picks exactly what deep focus (every layer, start share 0.5,
-    no cap, the pass in `auto`) picks; above it, what the settings pick."""
+    no cap, the pass in `auto`) picks; above it, or with deep_within 0, what the settings pick."""
     _, adapter = llama
     layout, _ = build_layout(adapter, _parts(chunks=(90, 70, 120)))
     price = (PRICE_SCALE if price_scale is None else price_scale) * deep_focus_price(adapter, layout, 0.3, "auto")
     assert 0 < price < 0.99
-    own = "cachetune:first:allocation=focus:start_share=0.8:signal=question:signal_layers=1:signal_tokens=1"
+    base = "cachetune:first:allocation=focus:start_share=0.8:signal=question:signal_layers=1:signal_tokens=1"
+    own = f"{base}:deep_within=0"
     deep = (f"cachetune:first:allocation=focus:start_share=0.5:signal=question:signal_layers={adapter.num_layers}"
             ":signal_tokens=none:signal_dtype=auto")
     picks = {name: _select(name, adapter, layout, 0.3) for name in (own, deep)}
     assert any(not torch.equal(a, b) for a, b in zip(picks[own], picks[deep]))  # the two choices differ here
-    for within, expected in [(price * 1.01, deep), (price * 0.99, own)]:
-        got = _select(f"{own}:deep_within={within}", adapter, layout, 0.3, price_scale)
+    for within, expected in [(price * 1.01, deep), (price * 0.99, own), (0, own), ("none", own)]:
+        got = _select(f"{base}:deep_within={within}", adapter, layout, 0.3, price_scale)
         assert all(torch.equal(a, b) for a, b in zip(got, picks[expected])), within
+
+
+def test_the_default_selection_takes_deep_focus_within_the_configured_share_and_only_under_focus(llama):
+    """Plain `cachetune` is focus with deep focus where its price is within EngineConfig.deep_within
+    (here the machine's scale moves the price across it); the engine's config can switch it off, and
+    a selection other than focus with the question signal ignores the setting."""
+    _, adapter = llama
+    layout, _ = build_layout(adapter, _parts(chunks=(90, 70, 120)))
+    price = deep_focus_price(adapter, layout, 0.3, "auto")
+    deep = (f"cachetune:first:allocation=focus:start_share=0.5:signal=question:signal_layers={adapter.num_layers}"
+            ":signal_tokens=none:signal_dtype=auto")
+    focus = "cachetune:deep_within=0"
+    picks = {name: _select(name, adapter, layout, 0.3) for name in (deep, focus)}
+    assert any(not torch.equal(a, b) for a, b in zip(picks[deep], picks[focus]))
+    within = EngineConfig.deep_within
+    for scale, expected in [(0.99 * within / price, deep), (1.01 * within / price, focus)]:
+        got = _select("cachetune", adapter, layout, 0.3, scale)
+        assert all(torch.equal(a, b) for a, b in zip(got, picks[expected])), scale
+    off = make_method("cachetune", EngineConfig(deep_within=0)).selector.select(
+        _request(adapter, layout, 0.99 * within / price), 0.3)
+    assert all(torch.equal(a, b) for a, b in zip(off, picks[focus]))
+    spread = "cachetune:first:allocation=spread:signal=question"
+    assert all(torch.equal(a, b) for a, b in zip(_select(f"{spread}:deep_within=1", adapter, layout, 0.3, 0.01),
+                                                  _select(f"{spread}:deep_within=0", adapter, layout, 0.3)))
 
 
 def test_deep_focus_price_counts_the_pass_and_the_extra_attention_over_firsts_prefill(llama):
@@ -441,8 +467,7 @@ def test_method_names_carry_settings():
                      ("cachetune:signal=psychic", "unknown signal"),
                      ("cachetune:first:allocation=global:signal=none", "global allocation needs"),
                      ("cachetune:first:allocation=focus:signal=none", "focus allocation needs"),
-                     ("cachetune:first:allocation=focus:signal=question:deep_within=0", "deep_within must be"),
-                     ("cachetune:first:allocation=spread:signal=question:deep_within=0.08", "deep_within needs")]:
+                     ("cachetune:first:allocation=focus:signal=question:deep_within=1.5", "deep_within must be")]:
         with pytest.raises(ValueError, match=why):
             make_method(bad)
 

@@ -106,6 +106,10 @@ class EvalConfig:
         for name in ("allocation", "signal"):
             if name in reads and getattr(engine.config, name) != getattr(EngineConfig, name):
                 key[name] = getattr(engine.config, name)
+        # Deep focus by default: named whatever the methods, so that a file written before the setting
+        # (every method ran without it) resumes only with --deep-within 0, and one run's files all match.
+        if engine.config.deep_within:
+            key["deep_within"] = engine.config.deep_within
         if engine.adapter.device.type != "cpu":  # GPU timings must not merge with CPU ones
             key["device"] = engine.adapter.device.type
         if self.gold_nll:

@@ -185,7 +185,8 @@ class Registered:
 
 
 METHODS: dict[str, Registered] = {}
-SHARED = ("ratio", "ranking", "allocation", "signal")  # settings whose defaults come from the engine's config
+# Settings whose defaults come from the engine's config.
+SHARED = ("ratio", "ranking", "allocation", "signal", "deep_within")
 # Method settings whose defaults come from a config field of another name (setting -> field).
 CONFIG_ALIASES = {"extractor": "c2kv_extractor", "links": "kvlink_links", "weights": "block_attention_weights"}
 IGNORABLE = ("ratio",)         # a request's ratio is ignored by methods without a budget (EPIC, full reuse)
@@ -255,7 +256,7 @@ def make_method(spec: str, config: EngineConfig | None = None, **overrides) -> M
     """Build the method `spec` ("name", "name:arg", either followed by ":key=value" settings, as in
     "cachetune:first:allocation=starts") with settings taken, in order of precedence, from
     `overrides` that are not None, the settings in the name, the ":" argument, `config` (ratio,
-    ranking, allocation, signal and the trained methods' weights) and the defaults.
+    ranking, allocation, signal, deep_within and the trained methods' weights) and the defaults.
 
     An override the method has no setting for is an error, except `ratio` (methods without a budget
     ignore it, so one ratio can be passed to every method of a comparison)."""
@@ -301,7 +302,7 @@ def method_settings(spec: str) -> type:
 
 def config_settings(spec: str) -> set[str]:
     """The SHARED settings the method named `spec` takes from the engine's config: those it has and
-    its name does not set ("cachetune:first" reads allocation and signal, not ranking)."""
+    its name does not set ("cachetune:first" reads allocation, signal and deep_within, not ranking)."""
     base, entry, arg, given = _entry(spec)
     fields = {f.name for f in dataclasses.fields(entry.settings)}
     named = set(given) | ({entry.suffix} if arg is not None else set())

@@ -22,7 +22,8 @@ from cachetune.methods.signals import (DEVIATION_LAYER, PRICE_SCALE, SIGNAL_DTYP
 # Deep focus: the question's attention over every layer, half the budget on chunk starts and the rest
 # by that attention with no cap per chunk, the pass in bfloat16 where that is fast. On Qwen2.5-1.5B
 # MuSiQue it halves the gap to ProphetKV that 4 layers leave; it pays only where the pass is cheap
-# beside the prefill (`deep_within`; docs/results.md, issue 16, twenty-seventh to thirtieth sessions).
+# beside the prefill (`deep_within`, on by default since the thirty-third session; docs/results.md,
+# issue 16, twenty-seventh to thirty-third sessions).
 DEEP_START_SHARE = 0.5
 DEEP_DTYPE = "auto"
 
@@ -46,11 +47,11 @@ class RankedSelector(TokenSelector):
     position. `signal_max_chunk`: under a per-chunk allocation (PER_CHUNK), the signal picks only in
     chunks of at most this many tokens; a longer chunk's share goes by its offline ranking, and a
     request with no such chunk skips the signal's pass (None: every chunk). `signal_dtype`: the dtype
-    the signal's passes run in (methods.signals.SIGNAL_DTYPES). `deep_within` (signal "question"): a
-    request whose deep focus is predicted to cost at most this share of `first`'s prefill
-    (methods.signals.deep_focus_price times the machine's price scale) takes it instead of the settings
-    above: every layer, DEEP_START_SHARE, no cap per chunk, DEEP_DTYPE (None: never). `ranker` None:
-    the engine's default.
+    the signal's passes run in (methods.signals.SIGNAL_DTYPES). `deep_within` (`focus` with the
+    "question" signal; other selections ignore it): a request whose deep focus is predicted to cost at
+    most this share of `first`'s prefill (methods.signals.deep_focus_price times the machine's price
+    scale) takes it instead of the settings above: every layer, DEEP_START_SHARE, no cap per chunk,
+    DEEP_DTYPE (None or 0: never). `ranker` None: the engine's default.
     """
 
     reads_ranking = True
@@ -73,13 +74,18 @@ class RankedSelector(TokenSelector):
             reads = {"question": self.signal_layers, "deviation": deviation}.get(
                 self.signal, max(self.signal_layers, deviation))
             signal_adapter(adapter, reads, self.signal_dtype)
-            if self.deep_within is not None:
+            if self.goes_deep:
                 signal_adapter(adapter, adapter.num_layers, DEEP_DTYPE)
+
+    @property
+    def goes_deep(self) -> bool:
+        """Whether some request may take deep focus (`deep_within` set, under focus and the question)."""
+        return bool(self.deep_within) and self.signal == "question" and self.allocation == "focus"
 
     def deep(self, request: SelectionRequest, ratio: float) -> bool:
         """Whether this request takes deep focus: its pass over every layer is cheap beside its prefill
         (the predicted price times the machine's measured scale, PRICE_SCALE where it has none)."""
-        if self.signal != "question" or self.deep_within is None:
+        if not self.goes_deep:
             return False
         scale = PRICE_SCALE if request.price_scale is None else request.price_scale
         return scale * deep_focus_price(request.adapter, request.layout, ratio, DEEP_DTYPE) <= self.deep_within
@@ -178,7 +184,7 @@ class RankedSettings:
     signal_max_chunk: int | None = None          # the signal picks only in chunks up to this length (None: all)
     signal_pool: float = SIGNAL_POOL             # attended: deviation read on this many times the signal's picks
     signal_dtype: str = SIGNAL_DTYPE             # dtype of the signal's passes (auto: bfloat16 where it is fast)
-    deep_within: float | None = None             # focus: deep focus where it costs at most this share over first
+    deep_within: float | None = EngineConfig.deep_within  # focus: deep focus where it costs at most this over first
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
@@ -200,12 +206,9 @@ class RankedSettings:
             raise ValueError(f"signal_pool must be a number in [1, 100], got {self.signal_pool!r}")
         if self.signal_dtype not in SIGNAL_DTYPES:
             raise ValueError(f"signal_dtype must be one of {', '.join(SIGNAL_DTYPES)}, got {self.signal_dtype!r}")
-        if self.deep_within is not None:
-            if isinstance(self.deep_within, bool) or not isinstance(self.deep_within, (int, float)) \
-                    or not 0 < self.deep_within <= 1:
-                raise ValueError(f"deep_within must be a share in (0, 1] (or None: never), got {self.deep_within!r}")
-            if self.allocation != "focus" or self.signal != "question":
-                raise ValueError("deep_within needs the focus allocation with the question signal")
+        if self.deep_within is not None and (isinstance(self.deep_within, bool) or not isinstance(
+                self.deep_within, (int, float)) or not 0 <= self.deep_within <= 1):
+            raise ValueError(f"deep_within must be a share in [0, 1] (0 or none: never), got {self.deep_within!r}")
         if self.allocation == "focus" and self.signal == "none":
             raise ValueError("the focus allocation needs an online signal (signal="
                              + ", ".join(s for s in SIGNALS if s != "none") + ")")
