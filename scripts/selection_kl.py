@@ -248,8 +248,8 @@ def compare(paths: list[str], baseline: str = "cachetune", ratio: float = Engine
     say what a mean may hide), its mean per-example TTFT ratio to `baseline` ("ttft"), each over the
     full recompute timed in its own run, against the baseline's row in the variant's own file where
     that file timed it (one machine, one pass: runs on other CPUs price full recompute differently),
-    and its recomputed share. Shown: `only` and the baseline where
-    given, else the variants every file has."""
+    and its recomputed share. Shown: `only` and the baseline where given, else the variants every
+    file has."""
     groups = {" + ".join(paths): paths} if pool else {p: [p] for p in paths}
     out = []
     for name, files in groups.items():
@@ -303,8 +303,13 @@ def compare(paths: list[str], baseline: str = "cachetune", ratio: float = Engine
 def summary(paths: list[str], baseline: str = "cachetune", ratio: float = EngineConfig.ratio,
             pool: bool = False, only: list[str] | None = None) -> str:
     """Markdown: compare()'s tables, one per file or one for the pooled files."""
+    return tables(compare(paths, baseline, ratio, pool, only))
+
+
+def tables(groups: list[dict]) -> str:
+    """Markdown: one table per compare() group."""
     parts = []
-    for group in compare(paths, baseline, ratio, pool, only):
+    for group in groups:
         parts += [f"{group['name']}: {group['examples']} examples, ~{group['prompt']:.0f} prompt tokens",
                   "", "| variant | KL to full | KL - baseline (95% CI) | lower KL: variant / baseline "
                   "| TTFT / baseline | recomputed share |", "|---|---|---|---|---|---|"]
@@ -323,8 +328,7 @@ def plot_summary(groups: list[dict], path: str | Path, title: str, ttft_bar: flo
     fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 4.8), squeeze=False)
     for ax, group in zip(axes[0], groups):
         if ttft_bar is not None:
-            ax.axvspan(min(r["ttft"] for r in group["rows"]) - 0.02, ttft_bar, color="green", alpha=0.08,
-                       label=f"TTFT within {ttft_bar:.2f}x")
+            ax.axvspan(min(r["ttft"] for r in group["rows"]) - 0.02, ttft_bar, color="green", alpha=0.08)
         for i, r in enumerate(group["rows"]):
             label = short_name(r["variant"], names or {})
             ax.scatter([r["ttft"]], [r["kl"]], s=45, color=plt.cm.tab10(i % 10), marker="osD^v<>ph*"[i % 10])
@@ -364,18 +368,19 @@ def main() -> None:
     p.add_argument("--pool", action="store_true", help="--summary: all files as one sample")
     p.add_argument("--only", nargs="+", help="--summary, --f1: show these variants (and the baseline) only")
     p.add_argument("--plot", help="--summary: also draw KL against TTFT over the baseline to this PNG")
-    p.add_argument("--title", default="KL and TTFT at r = 0.15", help="--plot: the figure's title")
+    p.add_argument("--title", help="--plot: the figure's title [KL and TTFT at r = --ratio]")
     p.add_argument("--ttft-bar", type=float, help="--plot: shade TTFT over the baseline up to this (the bar's 1.10)")
     args = p.parse_args()
     if args.f1:
         print(f1_summary(args.f1, args.ratio, args.only))
     elif args.summary:
-        print(summary(args.summary, args.baseline, args.ratio, args.pool, args.only))
+        groups = compare(args.summary, args.baseline, args.ratio, args.pool, args.only)
+        print(tables(groups))
         if args.plot:
             from bars import method_names  # a sibling script: the names scripts/selection_methods.sh gives
             names = {spec: name.lower() for name, spec in method_names().items()}
-            groups = compare(args.summary, args.baseline, args.ratio, args.pool, args.only)
-            print(f"wrote {plot_summary(groups, args.plot, args.title, args.ttft_bar, names)}")
+            title = args.title or f"KL and TTFT at r = {args.ratio:g}"
+            print(f"wrote {plot_summary(groups, args.plot, title, args.ttft_bar, names)}")
     else:
         run(args)
 
