@@ -19,7 +19,8 @@ from cachetune.runtime.decode import extend
 from cachetune.runtime.forward import decode_step
 from conftest import assert_close, build_layout, none_selected, rand_ids, tiny_engine, words
 
-# Eight requests: mixed methods, chunk sets, orders, question and answer lengths.
+# Nine requests: mixed methods, chunk sets, orders, question and answer lengths; the last takes deep
+# focus (its predicted price, about 0.4 here, is within deep_within=1).
 MIXED = [
     ("cachetune", [0, 1, 2], 6, 7),
     ("full_recompute", [2, 0], 9, 5),
@@ -29,6 +30,7 @@ MIXED = [
     ("full_reuse", [2, 3, 1, 0], 3, 8),
     ("prophetkv", [1, 2], 7, 3),
     ("prefix", [0, 1], 6, 10),
+    ("cachetune:deep_within=1", [2, 1, 3], 5, 6),
 ]
 DOC_SIZES = (40, 23, 61, 17)
 
@@ -49,7 +51,7 @@ def _alone(engine, ids, spec):
     return out.token_ids
 
 
-def test_eight_concurrent_requests_give_exactly_the_tokens_each_gives_alone(engine):
+def test_nine_concurrent_requests_give_exactly_the_tokens_each_gives_alone(engine):
     ids = _docs(engine)
     alone = [_alone(engine, ids, spec) for spec in MIXED]
     streamed: dict[int, list[int]] = {}
