@@ -253,6 +253,7 @@ class ServerConfig:
     max_documents: int = 64         # documents in one request or one registration
     retry_after_s: int = 1          # Retry-After (seconds) sent with a 429 or 503
     auto_ratio: bool = True         # a request without a ratio gets "auto" when a tier of the engine is calibrated
+    find_documents: bool = True     # a completion prompt without `documents` reuses the registered documents in it
 
     def __post_init__(self) -> None:
         _check_types(self)

@@ -87,3 +87,19 @@ def test_its_requests_decode_on_the_fine_tune_alone_and_in_a_mixed_batch(tmp_pat
     assert [r.output_ids for r in reqs] == alone
     tuned_alone = engine.generate(ids[0:], words(4, 0), method="block_attention:step0", sampling=sampling)
     assert tuned_alone.token_ids != alone[0]  # the fine-tune, not the base model, decoded it
+
+
+def test_a_request_names_only_shipped_step0_or_configured_fine_tunes(tmp_path):
+    """Each new file a request could name would load another copy of the model: only the operator's."""
+    import pytest
+
+    from cachetune.config import EngineConfig
+    from cachetune.methods import check_request_method
+
+    path = str(tmp_path / "ba.safetensors")
+    for spec in ["block_attention", "block_attention:step0", "block_attention:bundled"]:
+        check_request_method(spec, EngineConfig())
+    for spec in [f"block_attention:{path}", f"block_attention:weights={path}", f"block_attention:./{path}"]:
+        with pytest.raises(ValueError, match="may set weights only to one of 'bundled', 'paper', 'step0'"):
+            check_request_method(spec, EngineConfig())
+    check_request_method(f"block_attention:{path}", EngineConfig(block_attention_weights=path))

@@ -352,3 +352,30 @@ def test_an_extractor_names_its_base_model_the_same_in_float32_and_bfloat16():
     assert weights_identity(half) == weights_identity(model)
     assert model_fingerprint(half) != model_fingerprint(model)  # chunk ids still differ per dtype
     assert weights_identity(build_model("llama", seed=1)) != weights_identity(model)
+
+
+def test_a_request_names_only_shipped_step0_or_configured_extractors_and_the_bank_stays_bounded(tmp_path):
+    from cachetune.c2kv.bank import ExtractorBank
+    from cachetune.methods import check_request_method
+
+    engine = tiny_engine(threads=None, c2kv_extractor="step0+residual")
+    trained = _perturbed_extractor(engine.adapter)
+    trained.base_identity = engine.extractors.base_identity
+    trained.save(tmp_path / "ex.safetensors")
+    for spec in ["c2kv", "c2kv:step0+residual", "c2kv:step0", "c2kv:bundled"]:
+        check_request_method(spec, engine.config)
+    for spec in [f"c2kv:{tmp_path / 'ex.safetensors'}", f"c2kv:{tmp_path / 'missing.safetensors'}"]:
+        with pytest.raises(ValueError, match="may set extractor only to one of 'bundled', 'paper', 'step0'"):
+            check_request_method(spec, engine.config)
+    # The operator's own file is a configured value: requests may name it.
+    own = tiny_engine(threads=None, c2kv_extractor=str(tmp_path / "ex.safetensors"))
+    check_request_method(f"c2kv:{tmp_path / 'ex.safetensors'}", own.config)
+    # The bank keeps at most max_loaded weights: the least recently used is built again.
+    bank = ExtractorBank(engine.adapter, engine.extractors.base_identity, engine.fingerprint, EOS, max_loaded=2)
+    first = bank.get("step0")
+    bank.get("step0+residual")
+    third = bank.get("step0+anchor")
+    assert bank.get("step0+anchor") is third and bank.get("step0") is not first
+    for bad in [0, 2.5, float("inf"), None, True]:
+        with pytest.raises(ValueError, match="max_loaded"):
+            ExtractorBank(engine.adapter, "id", "fp", EOS, max_loaded=bad)

@@ -61,3 +61,16 @@ def test_int8_layers_are_refused_off_the_cpu():
     assert not int8_supported(torch.device("meta"))
     with pytest.raises(ValueError, match="CPU only"):
         DynamicInt8Linear(nn.Linear(4, 4, device="meta"))
+
+
+def test_an_int8_linear_does_not_saturate_where_products_overflow_int16():
+    """Positive activations (8-bit codes near 255) against weights near +-127: each pair of products
+    passes int16's range, where a CPU without VNNI (vpmaddubsw) saturates unless inputs take 7 bits."""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 64, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.sign(torch.randn(64, 256)) * (0.9 + 0.1 * torch.rand(64, 256)))
+    x = (torch.rand(12, 256) + 0.5) * torch.logspace(0, 4, 12)[:, None]  # large, all-positive activations
+    got, want = DynamicInt8Linear(linear)(x), linear(x)
+    for t in range(12):
+        assert rel_err(want[t], got[t]) < 2e-2, t

@@ -95,3 +95,18 @@ def test_export_casts_a_links_file_and_refuses_another_kind(tmp_path, capsys):
     assert torch.equal(tensors["embedding"], links.embedding.detach().to(torch.bfloat16))
     assert main(["c2kv", "export", str(src), str(tmp_path / "wrong.safetensors")]) == 2
     assert "error" in capsys.readouterr().err and not (tmp_path / "wrong.safetensors").exists()
+
+
+def test_a_request_names_only_shipped_step0_or_configured_links(tmp_path):
+    from cachetune.config import EngineConfig
+    from cachetune.methods import check_request_method
+
+    path = str(tmp_path / "links.safetensors")
+    for spec in ["kvlink", "kvlink:step0", "kvlink:bundled", "kvlink:links=step0:count=5"]:
+        check_request_method(spec, EngineConfig())
+    for spec in [f"kvlink:{path}", f"kvlink:links={path}", "kvlink:/etc/shadow", "kvlink:step1"]:
+        with pytest.raises(ValueError, match="may set links only to one of 'bundled', 'paper', 'step0'"):
+            check_request_method(spec, EngineConfig())
+    check_request_method(f"kvlink:{path}", EngineConfig(kvlink_links=path))  # the operator's file
+    with pytest.raises(ValueError, match="count must be an integer in"):
+        make_method("kvlink:step0:count=1000000")

@@ -656,3 +656,132 @@ def test_ape_places_chunks_in_parallel_and_decodes_consistently(llama):
     got.cache.truncate(layout.total)
     one_by_one = torch.cat([got.extend(adapter, [t]) for t in forced])
     assert_close(together, one_by_one, TOL, "extend")
+
+
+# ---- what a server request may name (methods.base.check_request_method) ------------------------------
+
+def _watch_filesystem(monkeypatch) -> list[str]:
+    """Every path the code under test stats or opens from now on (the calls still go through)."""
+    import builtins
+    import io
+    import os
+    import pathlib
+
+    seen: list[str] = []
+
+    def watch(owner, name, path_of=lambda args: args[0]):
+        real = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            if args:
+                seen.append(str(path_of(args)))
+            return real(*args, **kwargs)
+        monkeypatch.setattr(owner, name, wrapper)
+
+    for owner, name in [(builtins, "open"), (io, "open"), (os, "open"), (os, "stat"), (os, "lstat"),
+                        (os.path, "exists"), (os.path, "isfile")]:
+        watch(owner, name)
+    for name in ("open", "stat", "exists", "is_file", "read_bytes"):
+        watch(pathlib.Path, name)
+    return seen
+
+
+def test_a_request_naming_a_weights_file_is_refused_alike_whether_or_not_it_exists(tmp_path, monkeypatch):
+    from cachetune.methods import check_request_method
+
+    real = tmp_path / "extractor.safetensors"
+    real.write_bytes(b"not weights")
+    config = EngineConfig()
+    seen = _watch_filesystem(monkeypatch)
+    messages = {}
+    for path in ["/etc/shadow", "/nonexistent/extractor.safetensors", str(real), str(tmp_path)]:
+        for spec in [f"c2kv:{path}", f"c2kv:extractor={path}", f"c2kv:bundled:extractor={path}",
+                     f"c2kv:{path}:block=4"]:
+            with pytest.raises(ValueError) as caught:
+                check_request_method(spec, config)
+            messages[spec] = str(caught.value).replace(path, "<path>")
+    monkeypatch.undo()
+    assert len(set(messages.values())) == 1, messages  # one message: nothing tells which paths exist
+    (message,) = set(messages.values())
+    assert "<path>" not in message and "'bundled'" in message and "'step0'" in message
+    assert "--c2kv-extractor" in message
+    assert not any("shadow" in p or "nonexistent" in p or str(tmp_path) in p for p in seen), seen
+
+
+def test_a_request_may_not_name_other_weights_for_any_trained_method(tmp_path):
+    from cachetune.methods import check_request_method
+
+    weights = str(tmp_path / "w.safetensors")
+    for spec, setting in [(f"block_attention:{weights}", "weights"), (f"block_attention:weights={weights}", "weights"),
+                          (f"kvlink:{weights}", "links"), (f"kvlink:links={weights}:count=5", "links"),
+                          ("c2kv:extractor=/x", "extractor"), ("kvlink:bundled2", "links"),
+                          ("block_attention:../bundled", "weights")]:
+        with pytest.raises(ValueError, match=f"may set {setting} only to one of"):
+            check_request_method(spec, EngineConfig())
+    for spec, why in [("nope", "unknown method"), ("cachetune:first:allocation=sideways", "unknown allocation"),
+                      ("epic:k=four", "not of type int"), ("full_recompute:x", "takes no ':' argument"),
+                      ("", "non-empty"), (None, "non-empty"), ("cachetune:" + "x" * 600, "at most"),
+                      ("c2kv:block=0", "block must be")]:
+        with pytest.raises(ValueError, match=why):
+            check_request_method(spec, EngineConfig())
+
+
+def test_a_request_may_name_registered_methods_shipped_step0_and_configured_weights(tmp_path):
+    from cachetune.c2kv.extractor import C2Extractor
+    from cachetune.methods import check_request_method
+
+    config = EngineConfig()
+    for spec in ["cachetune", "cachetune:first", "cachetune:probe:2", "cachetune:first:allocation=starts",
+                 "epic:k=4", "c2kv", "c2kv:bundled", "c2kv:paper", "c2kv:extractor=bundled", "kvlink",
+                 "kvlink:step0", "block_attention", "block_attention:step0", "block_attention:weights=bundled",
+                 *(f"c2kv:{name}" for name in C2Extractor.STEP0), *method_names()]:
+        assert check_request_method(spec, config) is None, spec
+    own = {"c2kv_extractor": str(tmp_path / "ex.safetensors"), "kvlink_links": str(tmp_path / "links.safetensors"),
+           "block_attention_weights": str(tmp_path / "ba.safetensors")}
+    configured = EngineConfig(**own)  # the operator's files (which need not exist to be named)
+    for spec in ["c2kv", f"c2kv:{own['c2kv_extractor']}", f"c2kv:extractor={own['c2kv_extractor']}", "c2kv:step0",
+                 f"kvlink:{own['kvlink_links']}", f"block_attention:{own['block_attention_weights']}"]:
+        check_request_method(spec, configured)
+    with pytest.raises(ValueError, match="may set links only"):  # another method's configured file is not its
+        check_request_method(f"kvlink:{own['c2kv_extractor']}", configured)
+    with pytest.raises(ValueError, match="may set extractor only"):
+        check_request_method(f"c2kv:{own['c2kv_extractor']}", config)  # configured elsewhere, not here
+    by_method = EngineConfig(method=f"c2kv:{own['c2kv_extractor']}")  # a file in the default method counts too
+    check_request_method(f"c2kv:{own['c2kv_extractor']}", by_method)
+    check_request_method("cachetune", EngineConfig(method="nope"))  # a bad default is the engine's to refuse
+    # Library callers are not restricted: make_method still takes a file (it opens nothing until served).
+    assert make_method("c2kv:/some/file.safetensors").settings.extractor == "/some/file.safetensors"
+
+
+def test_a_huge_probe_count_fails_before_allocating():
+    import time
+    import tracemalloc
+
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        for spec in ["cachetune:probe:10000000", "cachetune:first+probe:10000000", "cachetune:probe:4"]:
+            with pytest.raises(ValueError, match="probe count"):
+                make_method(spec)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20 and time.perf_counter() - start < 2
+
+
+def test_numbers_in_a_method_name_are_bounded_before_they_size_anything():
+    for spec, why in [("epic:k=" + "9" * 5000, "not of type int"), ("epic:k=" + "9" * 19, "not of type int"),
+                      ("epic:k=1_0", "not of type int"), ("epic:k= 10", "not of type int"),
+                      ("epic:k=10000000", "k must be an integer in"),
+                      ("keep_every_4th:block=10000000", "block must be"), ("c2kv:block=10000000", "block must be"),
+                      ("kvlink:count=100000", "count must be"), ("cacheblend:check_layer=100000", "check_layer must be"),
+                      ("cacheslide:check_layer=100000", "check_layer must be"),
+                      ("cachetune:signal_layers=100000", "signal_layers must be"),
+                      ("cachetune:signal=question:allocation=spread:signal_tokens=10000000", "signal_tokens must be"),
+                      ("cachetune:signal_max_chunk=10000000", "signal_max_chunk must be"),
+                      ("ape:temperature=nan", "APE temperature"),
+                      ("cachetune:" + "+".join(["first"] * 10000), "fuses at most")]:
+        with pytest.raises(ValueError, match=why):
+            make_method(spec)
+    assert make_method("epic:k=1024").settings.k == 1024  # real settings still pass
+    assert make_method("cachetune:signal_layers=99").settings.signal_layers == 99

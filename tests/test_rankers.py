@@ -7,8 +7,8 @@ import torch
 
 from cachetune.chunks.encode import encode_chunk
 from cachetune.chunks.kv import encode_kv
-from cachetune.chunks.probes import ProbeBank
-from cachetune.chunks.rankers import ChunkView, RankingContext, get_ranker, rank_tokens
+from cachetune.chunks.probes import PROBE_PASSAGES, ProbeBank
+from cachetune.chunks.rankers import ChunkView, ProbeRanker, RankingContext, get_ranker, rank_tokens
 from cachetune.chunks.ranking import kv_drift, lf_scores, low_frequency, rank_fusion, ranking_from_scores, top_share
 from cachetune.methods.layout import PromptLayout, Segment
 from cachetune.config import EngineConfig
@@ -65,8 +65,8 @@ def test_probe_scores_are_the_drift_from_alone_to_after_the_probe_averaged_over_
     head = kv_drift(view.keys, view.values, *ctx.probes.after(0, chunk))
     assert_close(head, get_ranker("probe_head").scores(view))
     get_ranker("probe:3").scores(view)  # the bank holds the head and three passages
-    with pytest.raises(ValueError, match="needs 5 probes"):
-        get_ranker("probe:4").scores(view)
+    with pytest.raises(ValueError, match="needs 5 probes"):  # a bank with fewer probes than a ranker reads
+        ProbeRanker("probe:4", [1, 2, 3, 4]).scores(view)
     with pytest.raises(ValueError, match="RankingContext"):
         get_ranker("probe").scores(_view(adapter, chunk))
 
@@ -109,6 +109,29 @@ def test_ranker_names_parse_and_unknown_ones_fail_clearly():
                      ("probe:x", "bad ranker")]:
         with pytest.raises(ValueError, match=msg):
             get_ranker(bad)
+
+
+def test_ranker_names_are_checked_before_they_size_anything():
+    """A probe count past the probe passages (the context holds the head plus one prefix per passage)
+    or a hybrid of very many parts fails at once, with nothing allocated for it."""
+    import time
+    import tracemalloc
+
+    assert get_ranker(f"probe:{len(PROBE_PASSAGES)}").probes == list(range(1, len(PROBE_PASSAGES) + 1))
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        for bad, msg in [("probe:10000000", "probe count must be an integer in"),
+                         (f"probe:{len(PROBE_PASSAGES) + 1}", "probe count"), ("probe:" + "9" * 5000, "probe count"),
+                         ("probe:1_0", "probe count"), ("probe: 2", "probe count"), ("first+probe:10000000", "probe count"),
+                         ("+".join(["first"] * 100_000), "fuses at most"), ("lf:" + "x" * 5000, "alpha")]:
+            with pytest.raises(ValueError, match=msg) as caught:
+                get_ranker(bad)
+            assert len(str(caught.value)) < 400  # a long name is not echoed back whole
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20 and time.perf_counter() - start < 2
 
 
 def test_kv_only_rankers_agree_with_their_functions(llama):

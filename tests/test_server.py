@@ -189,13 +189,21 @@ def test_documents_in_another_order_are_served_and_reuse_their_cache(served):
     ({"messages": [{"role": "user", "content": "w1"}], "ratio": "fast"}, 422, "ratio"),
     ({"messages": [{"role": "user", "content": "w1"}], "n": 2}, 422, "n"),
     ({"messages": [{"role": "user", "content": "w1"}], "frequency_penalty": 0.5}, 422, "frequency_penalty"),
-    ({"messages": [{"role": "user", "content": "w1"}], "logprobs": True}, 422, "logprobs"),
+    ({"messages": [{"role": "user", "content": "w1"}], "logprobs": True, "top_logprobs": 21}, 422, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "w1"}], "top_logprobs": 2}, 422, "body"),
+    ({"messages": [{"role": "user", "content": "w1"}], "max_tokens": True}, 422, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "w1"}], "max_tokens": "3"}, 422, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "w1"}], "stream": 1}, 422, "stream"),
+    ({"messages": [{"role": "user", "content": "w1"}], "temperature": "0.5"}, 422, "temperature"),
+    ({"messages": [{"role": "user", "content": "w1"}], "documents": [""]}, 422, "documents[0]"),
+    ({"messages": [{"role": "user", "content": "w1"}], "method": "epic", "ratio": 0.5}, 400, "ratio"),
+    ({"messages": [{"role": "assistant", "content": None}]}, 422, "messages[0]"),
+    ({"messages": [{"role": "tool", "content": "w1"}]}, 422, "messages[0]"),
     ({"messages": [{"role": "user", "content": "w1"}], "tools": [{"type": "function"}]}, 422, "tools"),
     ({"messages": [{"role": "user", "content": "w1"}], "response_format": {"type": "json_object"}}, 422,
      "response_format"),
     ({"messages": [{"role": "user", "content": "w1"}], "documents": [7]}, 422, "documents[0]"),
     ({"messages": [{"role": "user", "content": "w1"}], "method": "nope"}, 400, "method"),
-    ({"messages": [{"role": "system", "content": "w1"}]}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "w1"}], "model": "gpt-9"}, 404, "model"),
     ({"messages": [{"role": "user", "content": "w1"}], "max_tokens": 10**6}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": words(1000, 5)}], "max_tokens": 100}, 413, "messages"),
@@ -204,7 +212,28 @@ def test_bad_bodies_get_a_clear_error_naming_the_field(served, body, status, par
     r = served.http.post("/v1/chat/completions", json=body)
     assert r.status_code == status, r.text
     error = r.json()["error"]
-    assert error["param"] == param and error["message"]
+    assert error["param"] == (None if param == "body" else param) and error["message"]
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"prompt": "w1", "best_of": 2}, 422, "best_of"),
+    ({"prompt": "w1", "suffix": "w2"}, 422, "suffix"),
+    ({"prompt": "w1", "logprobs": 21}, 422, "logprobs"),
+    ({"prompt": "w1", "echo": 1}, 422, "echo"),
+    ({"prompt": [1, VOCAB + 7]}, 400, "prompt"),
+    ({"prompt": [[1, 2], [3, VOCAB]]}, 400, "prompt[1]"),
+    ({"prompt": [1, -2]}, 422, "prompt"),
+    ({"prompt": []}, 422, "prompt"),
+    ({"prompt": ""}, 422, "prompt"),
+    ({"prompt": words(1000, 5), "max_tokens": 100}, 413, "prompt"),
+    ({"prompt": "w1", "method": "c2kv:/etc/shadow"}, 400, "method"),
+    ({"prompt": "w1", "method": "cachetune:probe:10000000"}, 400, "method"),
+])
+def test_bad_completion_bodies_get_a_clear_error_naming_the_field(served, body, status, param):
+    r = served.http.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"].startswith(param) and error["message"]
 
 
 def test_malformed_json_and_huge_bodies_are_refused_before_any_work():

@@ -55,6 +55,10 @@ class ExtractorBank:
                  max_loaded: int = 4):
         self.adapter, self.base_identity, self.base_fingerprint = adapter, base_identity, base_fingerprint
         self.eos_id = eos_id
+        if isinstance(max_loaded, bool) or not isinstance(max_loaded, int) or max_loaded < 1:
+            raise ValueError(f"max_loaded must be an integer >= 1, got {max_loaded!r}")
+        # At most `max_loaded` weights kept (a Block-Attention fine-tune is a whole model copy); requests
+        # can name only shipped, step-0 or configured weights (methods.base.check_request_method).
         self._loaded: LRUDict[tuple[str, str], LoadedTokens] = LRUDict(max_loaded)
 
     def get(self, spec: str, kind: type[TrainedTokens] = C2Extractor) -> LoadedTokens:

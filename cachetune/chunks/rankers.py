@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from cachetune.chunks.probes import ProbeBank
+from cachetune.chunks.probes import PROBE_PASSAGES, ProbeBank
 from cachetune.chunks.ranking import (
     hf_scores,
     kv_drift,
@@ -147,10 +147,32 @@ class FusionRanker(Ranker):
 
 
 def _alpha(text: str, default: float) -> float:
-    value = float(text) if text else default
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        value = math.nan
     if not 0.0 < value <= 1.0 or math.isnan(value):
-        raise ValueError(f"alpha must be in (0, 1], got {text}")
+        raise ValueError(f"alpha must be in (0, 1], got {_shown(text, 20)}")
     return value
+
+
+# Probe prefixes a RankingContext holds: the prompt head alone (probe 0), then the head followed by
+# each passage (the engine builds one per PROBE_PASSAGES entry), so `probe:n` takes n <= len(PROBE_PASSAGES).
+MAX_PROBES = len(PROBE_PASSAGES)
+MAX_FUSED = 8  # parts of a hybrid ("a+b+c"): one of each ranker at most is all that means anything
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    """`text` for an error message, cut short (names come from requests)."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _probe_count(text: str) -> int:
+    """`probe:n`'s n, checked before anything is sized by it."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 3) or not 1 <= int(text) <= MAX_PROBES:
+        raise ValueError(f"probe count must be an integer in [1, {MAX_PROBES}] (the probe passages there are), "
+                         f"got {_shown(text, 20)}")
+    return int(text)
 
 
 def _with_alpha(base: str, alpha: float) -> str:
@@ -167,9 +189,7 @@ def _simple(base: str, arg: str, alpha: float) -> Ranker | None:
         return FunctionRanker(_with_alpha("highfreq", a), lambda v: hf_scores(v.keys, v.values, a))
     if arg:
         if base == "probe":
-            count = int(arg)
-            if count < 1:
-                raise ValueError("probe count must be >= 1")
+            count = _probe_count(arg)
             return ProbeRanker(f"probe:{count}", list(range(1, count + 1)))
         return None
     simple = {
@@ -189,6 +209,10 @@ RANKER_NAMES = ("lf", "lf_v0", "highfreq", "l2", "random", "first", "probe", "pr
 
 def get_ranker(spec: str, alpha: float = 0.5) -> Ranker:
     """The ranker named by `spec` (see the module doc); `alpha` is the default LF cutoff."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"a ranker is named by a non-empty string, got {spec!r}; known: {', '.join(RANKER_NAMES)}")
+    if spec.count("+") >= MAX_FUSED:  # counted before splitting: a long hybrid allocates nothing
+        raise ValueError(f"a hybrid ranker fuses at most {MAX_FUSED} rankers, got {spec.count('+') + 1}")
     parts = spec.split("+")
     rankers = []
     for part in parts:
@@ -196,9 +220,9 @@ def get_ranker(spec: str, alpha: float = 0.5) -> Ranker:
         try:
             ranker = _simple(base, arg, alpha)
         except ValueError as exc:
-            raise ValueError(f"bad ranker {spec!r}: {exc}") from None
+            raise ValueError(f"bad ranker {_shown(spec)}: {exc}") from None
         if ranker is None:
-            raise ValueError(f"unknown ranker {part!r}; known: {', '.join(RANKER_NAMES)}, "
+            raise ValueError(f"unknown ranker {_shown(part)}; known: {', '.join(RANKER_NAMES)}, "
                              "optionally 'name:arg' (lf/highfreq alpha, probe count), joined by '+' for a hybrid")
         rankers.append(ranker)
     if len(rankers) == 1:

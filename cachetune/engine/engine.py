@@ -15,6 +15,7 @@ from any thread, but steps run one at a time under the engine's lock; `add_reque
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -43,8 +44,8 @@ from cachetune.methods.prefix_cache import PrefixCache
 from cachetune.methods.rankings import ChunkRankings
 from cachetune.model.adapter import ModelAdapter
 from cachetune.model.loader import LoadedModel, default_cache_dir, load_model, model_fingerprint, weights_identity
-from cachetune.runtime.decode import SamplingConfig, sample
-from cachetune.runtime.forward import decode_step
+from cachetune.runtime.decode import SamplingConfig, TokenLogprob, sample, token_logprobs
+from cachetune.runtime.forward import PromptHidden, decode_step, keeping_prompt_hidden
 from cachetune.runtime.kv_cache import kv_bytes_per_row
 from cachetune.runtime.loading import Pipeline
 from cachetune.store.base import ChunkStore, CorruptChunkError, LocalChunk, StoredChunk
@@ -53,6 +54,8 @@ from cachetune.store.memory import MemoryStore
 from cachetune.store.tiered import build_store
 
 log = logging.getLogger(__name__)
+
+PROMPT_LOGITS_BLOCK = 256  # prompt positions turned into logits at once (echo): bounds a [block, vocab] buffer
 
 
 class StepResult(NamedTuple):
@@ -415,7 +418,7 @@ class Engine:
                 logits = decode_step(adapter, [r.output_ids[-1] for r in batch], [r.prefill.cache for r in batch],
                                      [r.prefill.attention for r in batch])
                 for request, row in zip(batch, logits):
-                    self._emit(request, sample(row, request.sampling, request.generator), finished)
+                    self._next_token(request, row, finished)
                     decoded += 1
             return StepResult(finished, len(admitted), decoded, mid - start, time.perf_counter() - mid)
 
@@ -426,24 +429,61 @@ class Engine:
 
     def _prefill(self, request: Request, finished: list[Request]) -> None:
         try:
-            try:
-                result = request.method.prefill(self.context, request.prompt, request.rows)
-            except CorruptChunkError as exc:  # a stored chunk changed under us after it was checked
-                log.warning("request %d: %s; reading its chunks again", request.id, exc)
-                request.prompt = self._refetched(request.prompt)
-                result = request.method.prefill(self.context, request.prompt, request.rows)
+            with contextlib.ExitStack() as stack:
+                kept = None if request.sampling.prompt_logprobs is None else stack.enter_context(keeping_prompt_hidden())
+                try:
+                    result = request.method.prefill(self.context, request.prompt, request.rows)
+                except CorruptChunkError as exc:  # a stored chunk changed under us after it was checked
+                    log.warning("request %d: %s; reading its chunks again", request.id, exc)
+                    request.prompt = self._refetched(request.prompt)
+                    result = request.method.prefill(self.context, request.prompt, request.rows)
+            if kept is not None:
+                request.prompt_logprobs = self._prompt_logprobs(request, result.prompt_rows, kept)
         except Exception as exc:  # one request's failure (a corrupt chunk...) never stops the others
-            log.warning("request %d failed in prefill: %s", request.id, exc)
-            request.error = exc
-            self._end(request, RequestStatus.FAILED, "error")
-            finished.append(request)
+            self._fail(request, exc, finished, "prefill")
             return
         request.prefill = result
         request.computed_tokens = result.computed_tokens
         request.recomputed_tokens = result.recomputed_chunk_tokens
-        self._emit(request, sample(result.logits, request.sampling, request.generator), finished)
+        self._next_token(request, result.logits, finished)
 
-    def _emit(self, request: Request, token: int, finished: list[Request]) -> None:
+    def _prompt_logprobs(self, request: Request, prompt_rows: int, kept: PromptHidden) -> list[TokenLogprob | None]:
+        """Each prompt token's logprob where the method computed the position before it; None for the
+        first token and after positions served from cached chunks (and for every token of a method
+        whose KV rows are not the prompt's positions: compressed chunks, link tokens)."""
+        ids = request.prompt.input_ids
+        out: list[TokenLogprob | None] = [None] * ids.numel()
+        if kept.hidden is None or prompt_rows != ids.numel():
+            return out
+        rows = kept.rows.cpu()
+        inside = (rows < ids.numel() - 1).nonzero().flatten()  # the last row predicts the first new token
+        for block in inside.split(PROMPT_LOGITS_BLOCK):  # [block, vocab] logits at a time, not [P, vocab]
+            logits = kept.adapter.logits(kept.hidden[block.to(kept.hidden.device)])
+            at = rows[block]
+            for pos, entry in zip(at.tolist(), token_logprobs(logits, ids[at + 1], request.sampling.prompt_logprobs)):
+                out[pos + 1] = entry
+        return out
+
+    def _fail(self, request: Request, exc: BaseException, finished: list[Request], where: str) -> None:
+        log.warning("request %d failed in %s: %s", request.id, where, exc)
+        request.error = exc
+        self._end(request, RequestStatus.FAILED, "error")
+        finished.append(request)
+
+    def _next_token(self, request: Request, logits: torch.Tensor, finished: list[Request]) -> None:
+        """Sample `request`'s next token from its logits [vocab] and emit it (with its logprob when
+        asked); a failure here ends this request alone."""
+        try:
+            token = sample(logits, request.sampling, request.generator)
+            k = request.sampling.logprobs
+            logprob = None if k is None else token_logprobs(logits[None], torch.tensor([token]), k)[0]
+        except Exception as exc:
+            self._fail(request, exc, finished, "sampling")
+            return
+        self._emit(request, token, finished, logprob)
+
+    def _emit(self, request: Request, token: int, finished: list[Request], logprob: TokenLogprob | None = None
+              ) -> None:
         """Record a sampled token, stream it, and end the request on a stop token or its budget."""
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
@@ -452,6 +492,8 @@ class Engine:
             finished.append(request)
             return
         request.output_ids.append(token)
+        if logprob is not None:
+            request.token_logprobs.append(logprob)
         if request.on_token is not None:
             try:
                 request.on_token(request, token)

@@ -10,6 +10,8 @@ them. A tokenizer without a chat template gets "{system}\n\n" + documents + "Que
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 
 import torch
@@ -20,12 +22,16 @@ DEFAULT_SYSTEM = (
 )
 QUESTION_LABEL = "Question: "
 DOCUMENT_SEPARATOR = "\n\n"  # appended to every document so chunks read as separate passages
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 _DOCUMENTS = "\u2063CACHETUNE_DOCUMENTS\u2063"
 
 
 def _marker(i: int) -> str:
     return f"\u2063CACHETUNE_MESSAGE_{i}\u2063"
+
+
+def _marker_call(i: int, j: int, part: str) -> str:
+    return f"\u2063CACHETUNE_{part.upper()}_{i}_{j}\u2063"
 
 
 @dataclass
@@ -69,24 +75,57 @@ class PromptTemplate:
             return self.encode(f"{system}\n\n"), self.encode(after)
         return self.chat([("system", system), ("user", question_text)])
 
-    def chat(self, messages: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def chat(self, messages: list[tuple[str, str]], tool_calls: dict[int, list[tuple[str, str]]] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids before and after the documents of a conversation [(role, content)], roles in
-        CHAT_ROLES. The documents open the first user message; every content is user text. Without a
-        chat template: the system contents, then the documents, then the other contents, one a line."""
+        CHAT_ROLES. The documents open the first user message (or, without one, follow the last
+        message's content); every content is user text. `tool_calls` maps a message's index to the
+        (name, arguments JSON) calls an assistant made there: rendered by the template where it
+        renders tool calls, else written as JSON lines into that message; either way text, never
+        control tokens. Without a chat template: the system contents, then the documents, then the
+        other contents, one a line."""
         roles = [role for role, _ in messages]
-        if any(role not in CHAT_ROLES for role in roles) or "user" not in roles:
-            raise ValueError(f"a conversation needs a user message and roles among {', '.join(CHAT_ROLES)}")
+        if not messages or any(role not in CHAT_ROLES for role in roles):
+            raise ValueError(f"a conversation needs messages with roles among {', '.join(CHAT_ROLES)}")
+        calls = tool_calls or {}
         if not getattr(self.tokenizer, "chat_template", None):
-            system = "\n\n".join(c for r, c in messages if r == "system")
-            rest = "\n".join(c for r, c in messages if r != "system")
+            contents = [self._with_calls(c, calls.get(i)) for i, (_, c) in enumerate(messages)]
+            system = "\n\n".join(c for (r, _), c in zip(messages, contents) if r == "system")
+            rest = "\n".join(c for (r, _), c in zip(messages, contents) if r != "system")
             return self.encode(f"{system}\n\n" if system else ""), self.encode(rest)
-        first_user = roles.index("user")
-        values = {_marker(i): content for i, (_, content) in enumerate(messages)}
-        rendered = self.tokenizer.apply_chat_template(
-            [{"role": role, "content": (_DOCUMENTS if i == first_user else "") + _marker(i)}
-             for i, role in enumerate(roles)],
-            tokenize=False, add_generation_prompt=True)
+        holder = roles.index("user") if "user" in roles else len(roles) - 1
+        for folded in (False, True):  # a template that ignores tool calls gets them as text
+            values = {_marker(i): self._with_calls(c, calls.get(i)) if folded else c
+                      for i, (_, c) in enumerate(messages)}
+            turns = []
+            for i, role in enumerate(roles):
+                content = _marker(i)
+                content = _DOCUMENTS + content if holder == i and role == "user" else content
+                content = content + _DOCUMENTS if holder == i and role != "user" else content
+                turn = {"role": role, "content": content}
+                if i in calls and not folded:
+                    turn["tool_calls"] = [{"id": f"call_{i}_{j}", "type": "function",
+                                           "function": {"name": _marker_call(i, j, "name"),
+                                                        "arguments": {_marker_call(i, j, "args"): 0}}}
+                                          for j in range(len(calls[i]))]
+                    values.update({_marker_call(i, j, "name"): name for j, (name, _) in enumerate(calls[i])})
+                    values.update({_marker_call(i, j, "args"): args for j, (_, args) in enumerate(calls[i])})
+                turns.append(turn)
+            rendered = self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+            # Arguments go in as an object whose one key is a marker: the template writes it as JSON,
+            # and the whole object is replaced by the caller's arguments text.
+            for key in [k for k in values if "_ARGS_" in k]:
+                rendered = re.sub(r"\{\s*\"?" + re.escape(key) + r"\"?\s*:\s*0\s*\}", key, rendered)
+            if all(rendered.count(m) == 1 for m in values):
+                break
+            if not calls or folded:
+                break
         before, sep, after = rendered.partition(_DOCUMENTS)
-        if not sep or any(rendered.count(m) != 1 for m in values) or _marker(first_user) not in after:
+        if not sep or any(rendered.count(m) != 1 for m in values):
             raise ValueError("the chat template dropped or moved a message; cannot place documents")
         return self._fill(before, values), self._fill(after, values)
+
+    @staticmethod
+    def _with_calls(content: str, calls: list[tuple[str, str]] | None) -> str:
+        lines = [json.dumps({"name": name, "arguments": args}, ensure_ascii=False) for name, args in calls or ()]
+        return "\n".join(([content] if content else []) + lines)

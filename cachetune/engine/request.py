@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from cachetune.methods import Method, Prefill, PromptLayout
-from cachetune.runtime.decode import SamplingConfig
+from cachetune.runtime.decode import SamplingConfig, TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -48,6 +48,8 @@ class Request:
     finished_at: float | None = None
     computed_tokens: int = 0           # tokens that went through the layers in its prefill
     recomputed_tokens: int = 0         # of those, tokens of cached chunks
+    token_logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)  # per output id (sampling.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = field(default=None, repr=False)  # per prompt token (echo)
     prefill: Prefill | None = field(default=None, repr=False)
     generator: torch.Generator | None = field(default=None, repr=False)
 

@@ -6,6 +6,7 @@ from cachetune.methods import full_recompute, ape, ranked, cacheblend, cacheslid
 from cachetune.methods.base import (
     METHODS,
     Method,
+    check_request_method,
     config_settings,
     MethodContext,
     is_method,
@@ -19,5 +20,5 @@ from cachetune.methods.prefill import Prefill
 from cachetune.methods.selector import SelectionRequest, SelectiveMethod, TokenSelector, split_global_top
 
 __all__ = ["METHODS", "Method", "MethodContext", "Prefill", "PromptLayout", "Segment", "SelectionRequest",
-           "SelectiveMethod", "TokenSelector", "config_settings", "is_method", "make_method", "method_names", "method_settings",
+           "SelectiveMethod", "TokenSelector", "check_request_method", "config_settings", "is_method", "make_method", "method_names", "method_settings",
            "register", "split_global_top"]

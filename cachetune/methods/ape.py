@@ -39,7 +39,8 @@ class APESettings:
     scale: float = 0.9        # scaling factor of the contexts' share
 
     def __post_init__(self) -> None:
-        if not (0 < self.temperature <= 1 and 0 < self.scale <= 1):
+        numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (self.temperature, self.scale))
+        if not (numbers and 0 < self.temperature <= 1 and 0 < self.scale <= 1):
             raise ValueError("APE temperature and scale must be in (0, 1]")
 
 

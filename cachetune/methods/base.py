@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from cachetune.c2kv.bank import ExtractorBank, LoadedTokens
+from cachetune.c2kv.bank import SHIPPED, ExtractorBank, LoadedTokens
 from cachetune.chunks.encode import EncodedChunk, chunk_id
 from cachetune.chunks.rankers import Ranker
 from cachetune.config import EngineConfig
@@ -113,9 +113,20 @@ class RatioSettings:
         check_ratio(self.ratio)
 
 
-def check_int(name: str, value, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+# Upper bounds of method settings that size an allocation or a loop (tokens, rows, blocks, counts,
+# layers): far above any real setting, low enough that a spec's number cannot make a request allocate
+# or loop without end before anything else checks it.
+MAX_TOKENS = 1 << 20  # a count of tokens, rows or a block size (over any context window served)
+MAX_LAYERS = 1024     # a layer count or index (over any model's depth; methods clamp to the model's)
+MAX_COUNT = 1024      # trained tokens per document (KVLink links)
+
+
+def check_int(name: str, value, minimum: int = 1, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum \
+            or (maximum is not None and value > maximum):
+        bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        text = repr(value) if not isinstance(value, int) or abs(value) < 10 ** 30 else "a larger number"
+        raise ValueError(f"{name} must be an integer {bound}, got {text}")
 
 
 def check_name(name: str, value) -> None:
@@ -187,8 +198,11 @@ class Registered:
 METHODS: dict[str, Registered] = {}
 # Settings whose defaults come from the engine's config.
 SHARED = ("ratio", "ranking", "allocation", "signal", "deep_within")
-# Method settings whose defaults come from a config field of another name (setting -> field).
+# Method settings whose defaults come from a config field of another name (setting -> field). These are
+# the settings that name trained weights ("bundled", "paper", a step-0 name or a file): a request may
+# set them only to a shipped or step-0 name or the configured value (check_request_method).
 CONFIG_ALIASES = {"extractor": "c2kv_extractor", "links": "kvlink_links", "weights": "block_attention_weights"}
+WEIGHTS_SETTINGS = tuple(CONFIG_ALIASES)
 IGNORABLE = ("ratio",)         # a request's ratio is ignored by methods without a budget (EPIC, full reuse)
 
 
@@ -228,6 +242,7 @@ def _entry(spec: str) -> tuple[str, Registered, str | None, dict[str, str]]:
 
 
 _SETTING = re.compile(r"[a-z_]+=[^:=]*")
+_INT = re.compile(r"-?[0-9]{1,18}")  # an integer setting's text (longer ones are no setting, only a cost)
 
 
 def _parse_setting(settings: type, key: str, text: str):
@@ -243,7 +258,9 @@ def _parse_setting(settings: type, key: str, text: str):
             if text not in ("true", "false"):
                 raise ValueError
             return text == "true"
-        if "int" in kind:
+        if "int" in kind:  # plain decimal digits only: int() would also take "1_0", padding, other scripts
+            if not _INT.fullmatch(text):
+                raise ValueError
             return int(text)
         if "float" in kind:
             return float(text)
@@ -285,6 +302,45 @@ def make_method(spec: str, config: EngineConfig | None = None, **overrides) -> M
     suffixed = overrides.get(entry.suffix) if entry.suffix else None
     method.name = f"{base}:{suffixed}" if suffixed is not None else spec
     return method
+
+
+MAX_SPEC_CHARS = 512  # a request's method name (a long one with every setting spelled out is ~150)
+
+
+def check_request_method(spec: str, config: EngineConfig) -> None:
+    """Raise ValueError unless `spec` is a method a request (a server client) may name.
+
+    A request may name any registered method with any valid settings (the same parsing and checks as
+    `make_method`: an unknown method or a malformed spec fails), except that a setting that names
+    trained weights (WEIGHTS_SETTINGS: C2KV's extractor, KVLink's links, Block-Attention's weights),
+    set by the ':' argument or by key=value, must be a shipped name (c2kv.bank.SHIPPED), a step-0
+    name of that method's weights, or exactly the value the operator configured in `config`
+    (`--c2kv-extractor`, ..., or in the configured default `--method`; a file the operator chose
+    included). So the weights a request can load are bounded by what the operator configured; a
+    file path of the client's choosing is refused with the same message whether or not it exists. Nothing here touches the filesystem or loads
+    anything. Library callers (Python API, CLI) are not restricted: `make_method` still takes files."""
+    if isinstance(spec, str) and len(spec) > MAX_SPEC_CHARS:
+        raise ValueError(f"a method name is at most {MAX_SPEC_CHARS} characters, got {len(spec)}")
+    base = _entry(spec)[0]
+    method = make_method(spec, config)  # builds settings only: validates every one, opens nothing
+    try:  # the configured default method (`--method c2kv:<file>`) may name weights of its own too
+        default = make_method(config.method, config) if _entry(config.method)[0] == base else None
+    except ValueError:  # not this request's to report (the engine refuses to start with it)
+        default = None
+    for key in WEIGHTS_SETTINGS:
+        if not hasattr(method.settings, key):
+            continue
+        value = getattr(method.settings, key)
+        configured = {getattr(config, CONFIG_ALIASES[key]), getattr(getattr(default, "settings", None), key, None)}
+        step0 = tuple(getattr(getattr(method, "kind", None), "STEP0", {}) or ())
+        names = tuple(dict.fromkeys((*SHIPPED, *step0)))
+        if value in names or value in configured:
+            continue
+        flag = "--" + CONFIG_ALIASES[key].replace("_", "-")
+        raise ValueError(
+            f"method {base!r}: a request may set {key} only to one of {', '.join(map(repr, names))} or to the "
+            f"server's configured {key} (leave it unset: {base!r}); other weights are chosen by the server's "
+            f"operator ({flag})")
 
 
 def is_method(spec: str) -> bool:

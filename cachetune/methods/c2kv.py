@@ -23,7 +23,7 @@ from cachetune.c2kv.bank import LoadedTokens
 from cachetune.c2kv.extractor import C2Extractor, extract_c2kv
 from cachetune.chunks.encode import EncodedChunk
 from cachetune.config import EngineConfig
-from cachetune.methods.base import Method, MethodContext, TrainedMethod, check_int, check_name, register
+from cachetune.methods.base import Method, MethodContext, TrainedMethod, MAX_TOKENS, check_int, check_name, register
 from cachetune.methods.compressed import compressed_rows
 from cachetune.methods.layout import PromptLayout, Segment
 from cachetune.methods.prefill import Prefill, compressed_prefill
@@ -37,7 +37,7 @@ class C2KVSettings:
 
     def __post_init__(self) -> None:
         check_name("extractor", self.extractor)
-        check_int("block", self.block)
+        check_int("block", self.block, maximum=MAX_TOKENS)
 
 
 @torch.no_grad()

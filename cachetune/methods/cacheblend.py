@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from cachetune.config import EngineConfig
-from cachetune.methods.base import Method, check_ratio, register
+from cachetune.methods.base import MAX_LAYERS, Method, check_int, check_ratio, register
 from cachetune.methods.selector import SelectionRequest, SelectiveMethod, TokenSelector, split_global_top
 from cachetune.runtime.forward import forward_active
 from cachetune.runtime.kv_cache import KVCache
@@ -62,8 +62,7 @@ class CheckLayerSettings:
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
-        if isinstance(self.check_layer, bool) or not isinstance(self.check_layer, int) or self.check_layer < 1:
-            raise ValueError(f"check_layer must be an integer >= 1, got {self.check_layer!r}")
+        check_int("check_layer", self.check_layer, maximum=MAX_LAYERS)
 
 
 @register("cacheblend", CheckLayerSettings, summary="the `ratio` of context tokens whose values deviate most at layer 1")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from cachetune.c2kv.extractor import block_ends
-from cachetune.methods.base import Method, MethodContext, check_int, register
+from cachetune.methods.base import MAX_TOKENS, Method, MethodContext, check_int, register
 from cachetune.methods.layout import PromptLayout, Segment
 from cachetune.methods.prefill import Prefill, compressed_prefill
 from cachetune.runtime.loading import Pipeline
@@ -29,7 +29,7 @@ class BlockSettings:
     block: int = 4  # document tokens per kept KV row
 
     def __post_init__(self) -> None:
-        check_int("block", self.block)
+        check_int("block", self.block, maximum=MAX_TOKENS)
 
 
 class BlockRows:

@@ -17,7 +17,7 @@ import torch
 
 from cachetune.config import EngineConfig
 from cachetune.kvlink.links import LinkTokens, link_layout
-from cachetune.methods.base import Method, MethodContext, TrainedMethod, check_int, check_name, register
+from cachetune.methods.base import Method, MethodContext, TrainedMethod, MAX_COUNT, check_int, check_name, register
 from cachetune.methods.layout import PromptLayout
 from cachetune.methods.prefill import Prefill
 from cachetune.model.adapter import ModelAdapter
@@ -33,7 +33,7 @@ class KVLinkSettings:
 
     def __post_init__(self) -> None:
         check_name("links", self.links)
-        check_int("count", self.count)
+        check_int("count", self.count, maximum=MAX_COUNT)
 
 
 @torch.no_grad()

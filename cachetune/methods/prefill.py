@@ -12,7 +12,7 @@ from cachetune.methods.layout import PromptLayout, Segment
 from cachetune.methods.prefix_cache import PrefixCache
 from cachetune.model.adapter import ModelAdapter
 from cachetune.runtime.decode import extend
-from cachetune.runtime.forward import AttentionFn, FuseFn, ObserveFn, forward_active
+from cachetune.runtime.forward import AttentionFn, FuseFn, ObserveFn, forward_active, prompt_hidden_sink
 from cachetune.runtime.kv_cache import KVCache
 from cachetune.runtime.loading import LayerLoader, LayerSource, Pipeline
 
@@ -58,7 +58,14 @@ def full_prefill(adapter: ModelAdapter, layout: PromptLayout, capacity: int) -> 
     ids = layout.input_ids.to(adapter.device)
     # An explicit config-less DynamicCache keeps every row of every layer; the default cache would
     # drop rows outside a sliding window, which decoding from our cache still needs for other layers.
-    out = adapter.model(input_ids=ids[None], cache=DynamicCache(), use_cache=True, logits_to_keep=1)
+    sink = prompt_hidden_sink()
+    keep = None if sink is None else adapter.backbone.norm.register_forward_pre_hook(
+        lambda _, args: sink.keep(adapter, torch.arange(layout.total), args[0][0]))  # every token, before the norm
+    try:
+        out = adapter.model(input_ids=ids[None], cache=DynamicCache(), use_cache=True, logits_to_keep=1)
+    finally:
+        if keep is not None:
+            keep.remove()
     n = layout.total
     chunk_tokens = sum(s.token_ids.numel() for _, s in layout.chunk_segments)
     return Prefill(out.cache, out.logits[0, -1].float(), n, n, chunk_tokens, capacity)

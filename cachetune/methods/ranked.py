@@ -12,7 +12,8 @@ from cachetune.chunks.rankers import get_ranker
 from cachetune.config import SIGNALS, EngineConfig
 from cachetune.methods.allocation import (ALLOCATIONS, PER_CHUNK, SIGNAL_TOKENS, START_SHARE, WITH_STARTS, allocate,
                                          request_budget, start_count, starts)
-from cachetune.methods.base import Method, NoSettings, RatioSettings, check_int, check_ratio, register
+from cachetune.methods.base import (MAX_LAYERS, MAX_TOKENS, Method, NoSettings, RatioSettings, check_int, check_ratio,
+                                    register)
 from cachetune.methods.prefill import Prefilled
 from cachetune.methods.selector import SelectionRequest, SelectiveMethod, TokenSelector
 from cachetune.methods.signals import (DEVIATION_LAYER, PRICE_SCALE, SIGNAL_DTYPE, SIGNAL_DTYPES, SIGNAL_LAYERS,
@@ -194,13 +195,13 @@ class RankedSettings:
         if self.signal not in SIGNALS:
             raise ValueError(f"unknown signal {self.signal!r}; known: {', '.join(SIGNALS)}")
         check_ratio(self.start_share, "start_share")
-        check_int("signal_layers", self.signal_layers)
+        check_int("signal_layers", self.signal_layers, maximum=MAX_LAYERS)
         if isinstance(self.decay, bool) or not isinstance(self.decay, (int, float)) or not 0 <= self.decay <= 4:
             raise ValueError(f"decay must be a number in [0, 4], got {self.decay!r}")
         if self.signal_tokens is not None:
-            check_int("signal_tokens", self.signal_tokens, minimum=0)
+            check_int("signal_tokens", self.signal_tokens, minimum=0, maximum=MAX_TOKENS)
         if self.signal_max_chunk is not None:
-            check_int("signal_max_chunk", self.signal_max_chunk, minimum=0)
+            check_int("signal_max_chunk", self.signal_max_chunk, minimum=0, maximum=MAX_TOKENS)
         if isinstance(self.signal_pool, bool) or not isinstance(self.signal_pool, (int, float)) \
                 or not 1 <= self.signal_pool <= 100:
             raise ValueError(f"signal_pool must be a number in [1, 100], got {self.signal_pool!r}")
@@ -222,8 +223,7 @@ class EpicSettings:
     k: int = 16  # tokens recomputed at the start of every chunk (the CacheTune paper's EPIC setting)
 
     def __post_init__(self) -> None:
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
-            raise ValueError(f"k must be an integer >= 0, got {self.k!r}")
+        check_int("k", self.k, minimum=0, maximum=MAX_TOKENS)
 
 
 @register("cachetune", RankedSettings, suffix="ranking",

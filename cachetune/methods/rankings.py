@@ -33,14 +33,17 @@ class ChunkRankings:
         self.alpha = alpha
         self._make_context = context
         self._context: RankingContext | None = None
-        self._rankers: dict[str | None, Ranker] = {}
+        # Rankers by the spec a request named (bounded: every request may name another spelling)
+        self._rankers: LRUDict[str | None, Ranker] = LRUDict(64)
         self._scores: LRUDict[tuple[str, str], torch.Tensor] = LRUDict(capacity)
 
     def ranker(self, spec: str | None = None) -> Ranker:
         """The offline ranker named `spec` (None: the default, stored with every chunk)."""
-        if spec not in self._rankers:
-            self._rankers[spec] = get_ranker(spec or self.default, self.alpha)
-        return self._rankers[spec]
+        ranker = self._rankers.get(spec)
+        if ranker is None:
+            ranker = get_ranker(spec or self.default, self.alpha)
+            self._rankers.put(spec, ranker)
+        return ranker
 
     def context(self) -> RankingContext:
         if self._context is None:

@@ -9,6 +9,12 @@ bfloat16 at this many tokens. The kernels quantize their input with one scale fo
 so each token is first scaled to the same range: one token with outsized activations (a delimiter,
 an attention sink) would otherwise take the other tokens' precision. Output in the input's dtype.
 CPU only: the quantized kernels exist nowhere else.
+
+Without VNNI (an AVX2-only or plain AVX512 CPU) both oneDNN and FBGEMM multiply u8 inputs by s8
+weights with vpmaddubsw, which adds each pair of products in int16 and saturates there: 8-bit inputs
+(up to 255) times weights near 127 overflow, and on AVX2 an output was measured 16-30% of its range
+off (tests/test_int8.py). There the input is quantized to 7 bits (reduce_range), whose pairs fit;
+with VNNI (vpdpbusd, AMX) products add in int32 and the input keeps its 8 bits.
 """
 
 from __future__ import annotations
@@ -26,6 +32,19 @@ def int8_supported(device: torch.device) -> bool:
     return device.type == "cpu" and any(e in engines for e in ("onednn", "fbgemm", "x86"))
 
 
+def int8_needs_reduce_range(engine: str) -> bool:
+    """Whether `engine`'s dynamic int8 kernels need 7-bit inputs on this CPU: FBGEMM's always did
+    here; oneDNN's where the CPU lacks VNNI (AVX512-VNNI or AMX-INT8), so its int16 pair sums
+    would saturate. AVX-VNNI alone (256-bit) is not counted: whether a kernel uses it is unknown."""
+    if engine != "onednn":
+        return True
+    try:
+        found = dict(torch.cpu.get_capabilities())
+    except AttributeError:  # a torch without the capability table: assume no VNNI, the safe side
+        return True
+    return not (found.get("avx512_vnni", False) or found.get("amx_int8", False))
+
+
 @contextlib.contextmanager
 def _engine(name: str):
     """The quantized engine set to `name` while weights are packed (packed weights keep their engine)."""
@@ -39,8 +58,8 @@ def _engine(name: str):
 
 class DynamicInt8Linear(nn.Module):
     """A copy of `linear` with int8 weights: y = x W^T + b, each token of the input quantized to 8
-    bits per call (its own scale). oneDNN where PyTorch has it; else FBGEMM, whose kernels need 7-bit
-    inputs (reduce_range)."""
+    bits per call (its own scale). oneDNN where PyTorch has it; else FBGEMM. Inputs take 7 bits
+    (reduce_range) where the kernels would saturate with 8 (int8_needs_reduce_range)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -48,7 +67,7 @@ class DynamicInt8Linear(nn.Module):
             raise ValueError(f"int8 linear layers run on a CPU only, not on {linear.weight.device}")
         engines = torch.backends.quantized.supported_engines
         self.engine = "onednn" if "onednn" in engines else "fbgemm" if "fbgemm" in engines else "x86"
-        self.reduce_range = self.engine != "onednn"
+        self.reduce_range = int8_needs_reduce_range(self.engine)
         self.out_features = linear.out_features
         weight = linear.weight.detach().float()
         scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # [out]: one per output row

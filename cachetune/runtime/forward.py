@@ -18,7 +18,9 @@ memory-bound decode), while each request writes its own KV row and attends over 
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+import contextlib
+from contextvars import ContextVar
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -52,6 +54,42 @@ FuseFn = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.T
 # attention(layer, q [T, Hq, D] rotated, cache, rows [T]) -> [T, Hq, D]: queries written at `rows`
 # over the cache rows [0, rows[-1]] (a method's own rule; the default is causal in row order).
 AttentionFn = Callable[[int, torch.Tensor, KVCache, torch.Tensor], torch.Tensor]
+
+
+class PromptHidden:
+    """The final hidden states of the tokens a prefill computed (before the final norm), kept for
+    prompt logprobs (`keeping_prompt_hidden`): `hidden` [T, hidden] at KV `rows` [T], from `adapter`.
+
+    A prefill may run several full forwards (a signal pass, then the prefill proper); the last one
+    wins, and the prefill proper is always the last."""
+
+    def __init__(self) -> None:
+        self.adapter: ModelAdapter | None = None
+        self.rows: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None
+
+    def keep(self, adapter: ModelAdapter, rows: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.adapter, self.rows, self.hidden = adapter, rows, hidden
+
+
+_PROMPT_HIDDEN: ContextVar[PromptHidden | None] = ContextVar("cachetune_prompt_hidden", default=None)
+
+
+@contextlib.contextmanager
+def keeping_prompt_hidden() -> Iterator[PromptHidden]:
+    """Within the block, full forwards keep every computed token's final hidden state (they run the
+    last layer for all tokens instead of the last one alone) and hand it to the yielded PromptHidden."""
+    sink = PromptHidden()
+    token = _PROMPT_HIDDEN.set(sink)
+    try:
+        yield sink
+    finally:
+        _PROMPT_HIDDEN.reset(token)
+
+
+def prompt_hidden_sink() -> PromptHidden | None:
+    """The PromptHidden of the enclosing `keeping_prompt_hidden` block, or None outside one."""
+    return _PROMPT_HIDDEN.get()
 
 
 def forward_active(
@@ -90,6 +128,9 @@ def forward_active(
     cache.ensure_capacity(end)
     layers = layers if layers is not None else range(adapter.num_layers)
     last = adapter.num_layers - 1
+    sink = _PROMPT_HIDDEN.get()
+    keep = sink is not None and last_output and layers[0] == 0 and layers[-1] == last
+    wanted_last_only, last_only = last_only, last_only and not keep
     # Everything that depends only on positions is computed once, not per layer.
     rr = reused.rows if reused is not None and reused.rows.numel() else None
     kv_dtype = cache.keys.dtype
@@ -136,6 +177,9 @@ def forward_active(
             )
         hidden = adapter.finish_layer(layer, hidden, attn.to(hidden.dtype))
     cache.length = max(cache.length, end)
+    if keep:
+        sink.keep(adapter, rows, hidden)
+        return hidden[-1:] if wanted_last_only else hidden
     return hidden
 
 

@@ -70,7 +70,8 @@ def param_path(loc) -> str:
     out = ""
     for part in loc:
         if part == "body" or (isinstance(part, str) and (part in _TYPE_TAGS or part[:1].isupper() or "[" in part
-                                                          or part.startswith("literal"))):
+                                                          or part.startswith(("literal", "constrained-",
+                                                                              "function-")))):
             continue  # the union member pydantic tried ("str", "DocumentById", a literal), not a field
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out

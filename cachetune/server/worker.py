@@ -36,18 +36,19 @@ class Snapshot(NamedTuple):
 
 
 class TokenStream:
-    """The asyncio side of one request: tokens as they come, then the end (None)."""
+    """The asyncio side of one request: (token, its TokenLogprob or None) as they come, then the end (None)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.items: asyncio.Queue[int | None] = asyncio.Queue()
+        self.items: asyncio.Queue[tuple | None] = asyncio.Queue()
         self.first_token_at: float | None = None
         self.request: Request | None = None
 
     def on_token(self, request: Request, token: int) -> None:  # worker thread
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
-        self.loop.call_soon_threadsafe(self.items.put_nowait, token)
+        logprob = request.token_logprobs[-1] if request.sampling.logprobs is not None else None
+        self.loop.call_soon_threadsafe(self.items.put_nowait, (token, logprob))
 
     def on_finish(self, request: Request) -> None:  # worker thread
         if self.first_token_at is None:
