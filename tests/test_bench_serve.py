@@ -230,7 +230,10 @@ def test_a_sweep_against_a_fake_server():
     assert len(server.texts) == 6  # 2 examples x 3 documents, registered once
     warm, timed = server.chats[0], server.chats[2]  # one warm-up per example, then the first timed request
     assert warm["max_tokens"] == 1 and timed["max_tokens"] == 16
-    assert timed["model"] == "tiny-model" and timed["ratio"] == 0.2 and len(timed["documents"]) == 3
+    assert timed["model"] == "tiny-model" and len(timed["documents"]) == 3
+    # The ratio goes to methods that take one; the server refuses it for the others.
+    assert {c.get("ratio") for c in server.chats if c["method"] == "cachetune"} == {0.2}
+    assert not any("ratio" in c for c in server.chats if c["method"] in ("full_recompute", "prefix"))
     assert timed["messages"] == [{"role": "system", "content": DEFAULT_SYSTEM},
                                  {"role": "user", "content": "Question: question 0?"}]
 

@@ -15,11 +15,12 @@ import torch
 from cachetune.config import parse_tiers
 from cachetune.runtime.decode import SamplingConfig
 from cachetune.store.base import CorruptChunkError
+from cachetune.store.blob import verify
 from cachetune.store.memory import MemoryStore
 from cachetune.store.redis import RETRY_S, RedisStore, TierUnavailableError
 from cachetune.store.tiered import TieredStore
 from conftest import tiny_engine, words
-from test_store import FP, make_chunk
+from test_store import FP, L, HKV, D, kv_region, make_chunk, small_blocks  # noqa: F401 (a fixture)
 
 TESTS = Path(__file__).parent
 
@@ -203,3 +204,81 @@ def test_a_tiered_store_promotes_from_redis(redis_url, tmp_path) -> None:
     assert got is not None and store.hits == [0, 1]
     assert store.get(chunk.chunk_id) is not None and store.hits == [1, 1]  # now from memory
     assert torch.equal(got.load_layer(1, chunk.ranking)[1], chunk.values[1][chunk.ranking])
+
+
+# --- range verification: a value changed after its first (verified) read is caught, never used --------
+
+
+def _tampered_then_asked_again(redis_server, tamper) -> None:
+    """Ask once, `tamper(client, engine, ids)`, ask again: the same answer, the bad range counted as a
+    tier error, the tampered chunk (and only it) encoded again, its key holding a good value."""
+    engine = tiny_engine(tiers=redis_server.url, self_check=False)
+    docs = [words(60, s) for s in (51, 52)]  # two chunks of 60 tokens: values of one length
+    ids = [engine.cache_chunk(d) for d in docs]
+    first = engine.generate(ids, "w1 w2", sampling=greedy(6)).token_ids
+    encoded, errors = engine.chunks_encoded, engine.store.errors
+    client = redis_server.client()
+    before = client.get(engine.store.key(ids[0]))
+    tamper(client, engine, ids)
+    assert client.get(engine.store.key(ids[0])) != before and client.strlen(engine.store.key(ids[0])) == len(before)
+    second = engine.generate(ids, "w1 w2", sampling=greedy(6)).token_ids
+    assert second == first
+    assert engine.store.errors > errors
+    assert engine.chunks_encoded == encoded + 1
+    verify(client.get(engine.store.key(ids[0])), engine.fingerprint, ids[0], engine.store.shape)  # good again
+
+
+def test_a_value_overwritten_in_part_after_its_first_read_is_caught_and_re_encoded(redis_server) -> None:
+    def setrange(client, engine, ids):
+        key = engine.store.key(ids[0])
+        _, end = kv_region(client.get(key))
+        client.setrange(key, end - 1024, b"\x7f" * 1024)  # the last rows of the last layer: reused rows
+
+    _tampered_then_asked_again(redis_server, setrange)
+
+
+def test_a_value_copied_from_another_chunk_is_caught_and_re_encoded(redis_server) -> None:
+    def copy(client, engine, ids):
+        other = client.get(engine.store.key(ids[1]))
+        assert len(other) == client.strlen(engine.store.key(ids[0]))
+        client.set(engine.store.key(ids[0]), other)
+
+    _tampered_then_asked_again(redis_server, copy)
+
+
+def test_a_bad_range_counts_as_a_tier_error_and_drops_the_handle(redis_server, small_blocks) -> None:
+    store = RedisStore(redis_server.url, FP)
+    chunk = make_chunk(n=40, seed=27)
+    store.put(chunk)
+    got = store.get(chunk.chunk_id)
+    key, client = store.key(chunk.chunk_id), redis_server.client()
+    lay = got.layout
+    at = lay.span(1, 30, 31)[0]  # a byte of rank row 30 of layer 1, flipped
+    client.setrange(key, at, bytes([client.getrange(key, at, at)[0] ^ 0xFF]))
+    rows = got.ranking[:25]  # ranks [0, 25): blocks 0-3 of 7 rows, untouched
+    assert torch.equal(got.load_layer(1, rows)[0], chunk.keys[1][rows]) and store.errors == 0
+    with pytest.raises(CorruptChunkError, match="changed since the chunk was verified"):
+        got.load_layer(1, got.ranking[29:])  # rank 29 widens to block [28, 35), which holds row 30
+    assert store.errors == 1
+    with pytest.raises(CorruptChunkError, match="checksum"):  # not the held handle: the whole value again
+        store.get(chunk.chunk_id)
+    assert client.exists(key) == 0
+
+
+def test_widened_redis_reads_return_exactly_the_requested_rows(redis_server, small_blocks) -> None:
+    store = RedisStore(redis_server.url, FP)
+    chunks = [make_chunk(n=40, seed=28), make_chunk(n=17, seed=29, dtype=torch.bfloat16)]
+    for ch in chunks:
+        store.put(ch)
+    fresh = RedisStore(redis_server.url, FP)
+    for ch in chunks:
+        stored = fresh.get(ch.chunk_id)
+        kv = torch.stack([ch.keys, ch.values], dim=2)[:, ch.ranking]
+        n = ch.num_tokens
+        spans = [(stored, lo, hi) for lo in range(n + 1) for hi in range(lo, n + 1)]
+        want = torch.cat([kv[:, lo:hi] for _, lo, hi in spans], dim=1)
+        for layer in range(L):  # every range of the chunk, all in one pipelined plan
+            out = torch.empty(want.shape[1], 2, HKV, D, dtype=ch.keys.dtype)
+            fresh.reader.plan(spans)(layer, out)
+            assert torch.equal(out, want[layer])
+    assert fresh.errors == 0

@@ -64,6 +64,13 @@ def test_null_means_the_default_for_nullable_fields(served):
                                                   "logprobs": None, "best_of": None, "suffix": None})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] <= 16  # OpenAI's default max_tokens for completions
+    # The openai client sends an explicit None as null.
+    out = served.client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "w1"}],
+                                                max_tokens=2, temperature=None, top_p=None, n=None, seed=None)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    text = served.client.completions.create(model="tiny-llama", prompt="w1", max_tokens=None, temperature=None,
+                                            logprobs=None, echo=None)
+    assert text.usage.completion_tokens <= 16
 
 
 def test_tool_call_history_and_a_system_only_conversation_are_served(served):

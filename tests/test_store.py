@@ -15,10 +15,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import cachetune.store.blob as blob_module
 import cachetune.store.disk as disk_module
 from cachetune.chunks.encode import ENCODING_VERSION, EncodedChunk, chunk_id
 from cachetune.store.base import CorruptChunkError
-from cachetune.store.blob import ModelShape
+from cachetune.store.blob import ModelShape, pack, split, verify
 from cachetune.store.disk import FORMAT, DiskStore
 from cachetune.store.memory import MemoryStore
 from conftest import run_in_threads
@@ -221,7 +222,7 @@ def test_disk_put_writes_atomically_and_leaves_no_temp_file(tmp_path) -> None:
     assert [p.name for p in store.root.iterdir()] == [path.name]
     # The file is complete: every tensor parses with its full shape.
     with safe_open(str(path), framework="pt") as f:
-        assert set(f.keys()) == {"token_ids", "ranking", "scores", "kv"}
+        assert set(f.keys()) == {"token_ids", "ranking", "scores", "kv", "kv_sums"}
         assert f.get_tensor("kv").shape == (L, chunk.num_tokens, 2, HKV, D)
         assert f.get_tensor("token_ids").shape == (chunk.num_tokens,)
 
@@ -619,3 +620,201 @@ def test_the_default_memory_store_has_a_budget() -> None:
     assert MemoryStore().max_bytes == parse_tiers(EngineConfig.tiers)[0].max_bytes
     with pytest.raises(ValueError, match="max_bytes"):
         MemoryStore(max_bytes=None)
+
+
+# --- range verification: every range read after the first whole read is checked by block sums --------
+
+
+def kv_region(blob: bytes) -> tuple[int, int]:
+    """Byte [start, end) of the K/V rows [L, R, 2, Hkv, D] (ranking order) in a chunk blob."""
+    (n,) = struct.unpack("<Q", blob[:8])
+    begin, end = json.loads(blob[8: 8 + n])["kv"]["data_offsets"]
+    return 8 + n + begin, 8 + n + end
+
+
+def pack_previous_format(chunk: EncodedChunk, fingerprint: str) -> bytes:
+    """A chunk blob exactly as format cachetune-chunk/4 wrote it (no block sums; its own sha256)."""
+    from safetensors.torch import save
+
+    order = chunk.ranking.to(torch.int64)
+    tensors = {"token_ids": chunk.token_ids.to(torch.int64).contiguous(), "ranking": order.contiguous(),
+               "scores": chunk.scores.to(torch.float32).contiguous(),
+               "kv": torch.stack([chunk.keys, chunk.values], dim=2).index_select(1, order).contiguous()}
+    layers, _, kv_heads, head_dim = chunk.keys.shape
+    meta = {"format": "cachetune-chunk/4", "chunk_id": chunk.chunk_id, "fingerprint": fingerprint,
+            "encoding": ENCODING_VERSION, "ranker": chunk.ranker, "variant": chunk.variant,
+            "shape": json.dumps([int(layers), int(kv_heads), int(head_dim)])}
+    header, data = split(save(tensors, metadata=meta))
+    return save(tensors, metadata={**meta, "sha256": blob_module._digest(header, data)})
+
+
+def load_tensors(blob: bytes) -> dict:
+    from safetensors.torch import load
+
+    return load(blob)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 7 rows for the test chunks (128-byte rows): a 40-row chunk has 6 blocks, the last of 5."""
+    monkeypatch.setattr(blob_module, "BLOCK_BYTES", 7 * 2 * HKV * D * 4)
+    return 7
+
+
+def test_blob_block_sums_are_in_the_checksummed_blob_and_checked_at_first_read(small_blocks) -> None:
+    chunk = make_chunk(n=40, seed=21)
+    blob = pack(chunk, FP)
+    lay = verify(blob, FP, chunk.chunk_id, None).layout
+    assert lay.block_rows == 7 and lay.blocks == 6 and len(lay.sums) == L * 6
+    assert load_tensors(blob)["kv_sums"].shape == (L, 6)
+    # The sums must be those of the rows even when the sha256 is recomputed to match (a buggy writer):
+    header, data = split(blob)
+    start = header["kv_sums"]["data_offsets"][0]
+    forged_data = bytearray(data)
+    forged_data[start] ^= 0x01
+    meta = {k: v for k, v in header["__metadata__"].items() if k != "sha256"}
+    forged_header = {**header, "__metadata__": {**meta, "sha256": blob_module._digest(header, bytes(forged_data))}}
+    raw = json.dumps(forged_header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with pytest.raises(CorruptChunkError, match="block sums are not those of the rows"):
+        verify(struct.pack("<Q", len(raw)) + raw + bytes(forged_data), FP, chunk.chunk_id, None)
+
+
+def test_a_range_with_one_flipped_byte_in_any_block_raises(small_blocks) -> None:
+    chunk = make_chunk(n=40, seed=22)
+    blob = pack(chunk, FP)
+    lay = verify(blob, FP, chunk.chunk_id, None).layout
+    rb, rows = lay.row_bytes, lay.rows
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(L):
+        whole_offset, whole_length = lay.span(layer, 0, rows)
+        lay.check(layer, 0, rows, [blob[whole_offset: whole_offset + whole_length]])  # intact: passes
+        for block in range(lay.blocks):
+            a, b = block * 7, min(block * 7 + 7, rows)
+            at = int(torch.randint(a * rb, b * rb, (1,), generator=gen))  # one byte anywhere in the block
+            tampered = bytearray(blob)
+            tampered[whole_offset + at] ^= 1 << int(torch.randint(0, 8, (1,), generator=gen))
+            for lo, hi in ((a, b), (0, rows), lay.covering(max(a - 1, 0), b)):  # the block, alone or among others
+                offset, length = lay.span(layer, lo, hi)
+                with pytest.raises(CorruptChunkError, match=f"layer {layer} changed"):
+                    lay.check(layer, lo, hi, [tampered[offset: offset + length]])
+                # split in parts anywhere, as a disk read into side buffers is:
+                cut = offset + (length // 3)
+                with pytest.raises(CorruptChunkError):
+                    lay.check(layer, lo, hi, [tampered[offset:cut], memoryview(tampered)[cut: offset + length]])
+            if block + 1 < lay.blocks:  # the blocks around it are still fine
+                offset, length = lay.span(layer, b, rows)
+                lay.check(layer, b, rows, [tampered[offset: offset + length]])
+
+
+def test_a_range_of_another_chunk_another_layer_or_another_block_fails(small_blocks) -> None:
+    a, b = make_chunk(n=40, seed=23), make_chunk(n=40, seed=24)
+    blob_a, blob_b = pack(a, FP), pack(b, FP)
+    lay = verify(blob_a, FP, a.chunk_id, None).layout
+    assert len(blob_a) == len(blob_b)
+    offset, length = lay.span(1, 7, 14)
+    with pytest.raises(CorruptChunkError):  # the same bytes of another chunk's blob
+        lay.check(1, 7, 14, [blob_b[offset: offset + length]])
+    with pytest.raises(CorruptChunkError):  # this chunk's block 1 of layer 1, checked as layer 2's
+        lay.check(2, 7, 14, [blob_a[offset: offset + length]])
+    with pytest.raises(CorruptChunkError):  # ... as block 2 of layer 1
+        lay.check(1, 14, 21, [blob_a[offset: offset + length]])
+    zeros = EncodedChunk(a.chunk_id, a.token_ids, torch.zeros_like(a.keys), torch.zeros_like(a.values), a.ranking)
+    zlay = verify(pack(zeros, FP), FP, a.chunk_id, None).layout
+    assert len(set(zlay.sums)) == len(zlay.sums)  # identical blocks, different sums: each is bound to its place
+
+
+def test_widened_reads_return_exactly_the_requested_rows(tmp_path, small_blocks) -> None:
+    chunks = [make_chunk(n=40, seed=25), make_chunk(n=17, seed=26, dtype=torch.bfloat16)]
+    store = DiskStore(tmp_path, FP)
+    for ch in chunks:
+        store.put(ch)
+    fresh = DiskStore(tmp_path, FP)
+    for ch in chunks:
+        stored = fresh.get(ch.chunk_id)
+        kv = torch.stack([ch.keys, ch.values], dim=2)[:, ch.ranking]  # [L, R, 2, Hkv, D], ranking order
+        n = ch.num_tokens
+        for layer in range(L):
+            for lo in range(n + 1):
+                for hi in range(lo, n + 1):
+                    assert torch.equal(stored.read_rows(layer, lo, hi), kv[layer, lo:hi]), (layer, lo, hi)
+    # several chunks and ranges in one plan land one after the other in the buffer
+    a, b = (fresh.get(ch.chunk_id) for ch in chunks[:1] * 2)
+    spans = [(a, 3, 40), (b, 8, 9), (a, 0, 0), (a, 13, 22)]
+    out = torch.empty(37 + 1 + 9, 2, HKV, D)
+    fresh.reader.plan(spans)(2, out)
+    kv = torch.stack([chunks[0].keys, chunks[0].values], dim=2)[2, chunks[0].ranking]
+    assert torch.equal(out, torch.cat([kv[3:40], kv[8:9], kv[13:22]]))
+    assert fresh.errors == 0
+
+
+def test_a_file_rewritten_in_place_keeping_size_and_mtime_fails_its_next_range_read(tmp_path, small_blocks) -> None:
+    chunk, path = write_and_locate(tmp_path)
+    store = DiskStore(tmp_path, FP)
+    stored = store.get(chunk.chunk_id)
+    st = os.stat(path)
+    start, end = kv_region(path.read_bytes())
+    with open(path, "r+b") as f:  # one byte of the last layer's rows, in place
+        f.seek(end - 200)
+        byte = f.read(1)
+        f.seek(end - 200)
+        f.write(bytes([byte[0] ^ 0x10]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
+    assert store.get(chunk.chunk_id) is stored  # nothing the identity check can see
+    k, _ = stored.load_layer(0, torch.arange(chunk.num_tokens))  # other layers are intact
+    assert torch.equal(k, chunk.keys[0]) and store.errors == 0
+    with pytest.raises(CorruptChunkError, match="changed since the chunk was verified"):
+        stored.load_layer(L - 1, chunk.ranking[-3:])
+    assert store.errors == 1
+    assert_corrupt_and_dropped(store, chunk.chunk_id, path)  # the handle was dropped: verified again, deleted
+
+
+def test_an_engine_re_encodes_a_disk_chunk_rewritten_in_place_keeping_size_and_mtime(tmp_path) -> None:
+    from cachetune.runtime.decode import SamplingConfig
+    from conftest import tiny_engine, words
+
+    engine = tiny_engine(tiers=f"disk:{tmp_path}", self_check=False)
+    docs = [words(60, s) for s in (41, 42)]
+    ids = [engine.cache_chunk(d) for d in docs]
+    sampling = SamplingConfig(max_new_tokens=5, ignore_eos=True)
+    first = engine.generate(ids, "w1 w2", sampling=sampling).token_ids
+    encoded, store = engine.chunks_encoded, engine.store
+    path = store.path(ids[0])
+    st = os.stat(path)
+    start, end = kv_region(path.read_bytes())
+    with open(path, "r+b") as f:  # the last rows of the last layer (reused, never recomputed) made huge
+        f.seek(end - 1024)
+        f.write(b"\x7f" * 1024)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_mtime_ns == st.st_mtime_ns and os.stat(path).st_size == st.st_size
+    second = engine.generate(ids, "w1 w2", sampling=sampling).token_ids
+    assert second == first
+    assert store.errors >= 1
+    assert engine.chunks_encoded == encoded + 1  # the rewritten chunk, and only it, encoded again
+    assert verify(path.read_bytes(), engine.fingerprint, ids[0], None) is not None  # a good file again
+
+
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+def test_a_blob_of_the_previous_format_is_not_ours_and_an_engine_re_encodes_it(tmp_path, tier, request) -> None:
+    from cachetune.runtime.decode import SamplingConfig
+    from conftest import tiny_engine, words
+
+    spec = f"disk:{tmp_path}" if tier == "disk" else request.getfixturevalue("redis_server").url
+    reference = tiny_engine(tiers="cpu:64MiB", self_check=False)
+    doc = words(50, 43)
+    cid = reference.cache_chunk(doc)
+    sampling = SamplingConfig(max_new_tokens=4, ignore_eos=True)
+    want = reference.generate([cid], "w5", sampling=sampling).token_ids
+    old = pack_previous_format(reference.store.get(cid).encoded(), reference.fingerprint)
+
+    engine = tiny_engine(tiers=spec, self_check=False)
+    if tier == "disk":
+        engine.store.path(cid).write_bytes(old)
+    else:
+        engine.store.client.set(engine.store.key(cid), old)
+    assert engine.cache_chunk(doc) == cid and engine.chunks_encoded == 1  # found, refused, encoded
+    assert engine.generate([cid], "w5", sampling=sampling).token_ids == want
+    stored = engine.store.get(cid)
+    assert stored is not None and stored.layout.sums is not None  # the tier now holds the new format

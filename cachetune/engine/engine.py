@@ -429,8 +429,8 @@ class Engine:
 
     def _prefill(self, request: Request, finished: list[Request]) -> None:
         try:
-            with contextlib.ExitStack() as stack:
-                kept = None if request.sampling.prompt_logprobs is None else stack.enter_context(keeping_prompt_hidden())
+            echo = request.sampling.prompt_logprobs is not None
+            with keeping_prompt_hidden() if echo else contextlib.nullcontext() as kept:
                 try:
                     result = request.method.prefill(self.context, request.prompt, request.rows)
                 except CorruptChunkError as exc:  # a stored chunk changed under us after it was checked

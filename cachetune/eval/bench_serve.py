@@ -24,6 +24,7 @@ exceeds `give_up_factor` x SLO, or nothing completed; the rates left are reporte
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import json
 import os
@@ -41,6 +42,7 @@ from tqdm import tqdm
 from cachetune.engine.prompt import DEFAULT_SYSTEM, QUESTION_LABEL
 from cachetune.eval.datasets import QAExample, load_dataset
 from cachetune.eval.report import pyplot, save_figure, write_json
+from cachetune.methods import method_settings
 
 METHODS = ("full_recompute", "prefix", "cacheblend", "cachetune", "c2kv")
 BASELINE = "full_recompute"
@@ -332,7 +334,8 @@ def request_bodies(cfg: ServeBenchConfig, prep: Prepared, method: str, tag: str,
     """n streaming chat-completion bodies cycling through the examples, each with the documents by id in
     an order seeded by (seed, method, tag, index): reproducible, and unlikely to repeat an earlier request's
     order (which a prefix cache would serve whole)."""
-    extra = {} if cfg.ratio is None else {"ratio": cfg.ratio}
+    takes_ratio = "ratio" in {f.name for f in dataclasses.fields(method_settings(method))}
+    extra = {"ratio": cfg.ratio} if cfg.ratio is not None and takes_ratio else {}  # the server refuses it elsewhere
     return [{"model": prep.model, "messages": [
                 {"role": "system", "content": DEFAULT_SYSTEM},
                 {"role": "user", "content": QUESTION_LABEL + prep.questions[i % len(prep.questions)]}],

@@ -244,17 +244,22 @@ class Server:
                 raise ApiError(413, str(exc), f"documents[{i}]") from None
         return out
 
-    def _layout(self, before: torch.Tensor, documents: list[StoredChunk], after: torch.Tensor) -> PromptLayout:
-        """The prompt; a completion prompt without `documents` gets the registered documents found in it."""
-        if documents or before.numel() or not self.config.find_documents:
+    def _layout(self, before: torch.Tensor, documents: list[StoredChunk], after: torch.Tensor, reuses_kv: bool
+                ) -> PromptLayout:
+        """The prompt; a completion prompt without `documents`, for a method that reuses KV, gets the
+        registered documents found in it."""
+        if documents or before.numel() or not self.config.find_documents or not reuses_kv:
             return self.engine.prompt_from(before, documents, after)
         ids = after.tolist()
         segments, at = [], 0
         for hit in self.documents.find(ids):
             if hit.start > at:
                 segments.append(Segment(after[at:hit.start]))
-            cid = hit.chunk_id or self.engine.cache_tokens(after[hit.start:hit.end])
-            segments.append(Segment(after[hit.start:hit.end], self.engine.chunk(cid)))
+            span = after[hit.start:hit.end]
+            stored = self.engine.find_chunk(hit.chunk_id) if hit.chunk_id else None
+            # The text alone, or a registered chunk no tier holds any more: encoded from the prompt's own
+            # tokens (once: later prompts find it stored).
+            segments.append(Segment(span, stored or self.engine.chunk(self.engine.cache_tokens(span))))
             at = hit.end
         if at < len(ids) or not segments:
             segments.append(Segment(after[at:]))
@@ -273,7 +278,7 @@ class Server:
         if why:
             raise ApiError(400, f"method {method.name!r} cannot serve here: {why}", "method")
         documents = self._resolve(body, prepared, new_tokens)
-        prompts = [self._layout(prepared.before, documents, after) for after in prepared.afters]
+        prompts = [self._layout(prepared.before, documents, after, method.reuses_kv) for after in prepared.afters]
         for prompt in prompts:
             if self.max_prompt_tokens is not None and prompt.total + new_tokens > self.max_prompt_tokens:
                 raise RequestError(f"prompt of {prompt.total} tokens plus max_tokens {new_tokens} is over the limit "

@@ -109,7 +109,7 @@ class TierStats(NamedTuple):
     tier: str        # its kind: gpu, cpu, disk, redis
     hits: int        # lookups it answered
     bytes_read: int  # K/V bytes read from it
-    errors: int      # calls that failed (an unreachable server)
+    errors: int      # calls that failed (an unreachable server), range reads that failed their block sums
 
 
 class ChunkStore(ABC):

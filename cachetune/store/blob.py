@@ -5,11 +5,25 @@ A blob is a safetensors file (plain tensors only, so nothing is ever unpickled):
     token_ids [N] I64, ranking [R] I64, scores [R] F32, positions [R] I64 (compressed rows only),
     kv [L, R, 2, Hkv, D]: row i of layer l holds the pre-RoPE key and the value of local row ranking[i].
 
+    kv_sums [L, B] I64: the xxh3_64 of every block of `block_rows` rows of every layer (range verification).
+
 Rows are in ranking order, so for any recompute count k the reused rows of a layer are one contiguous
-byte range (`BlobLayout.rows`): one positioned read (disk) or one GETRANGE (Redis) per chunk per layer,
+byte range (`BlobLayout.span`): one positioned read (disk) or one GETRANGE (Redis) per chunk per layer,
 keys and values together. The metadata names the format, chunk id, model fingerprint and shape
-(layers, KV heads, head size), encoding, ranker and variant, and holds a sha256 over everything else:
-the whole header (metadata included) and the data. `verify` checks all of it and the content address.
+(layers, KV heads, head size), encoding, ranker and variant, the block size and row hash, and holds a
+sha256 over everything else: the whole header (metadata included) and the data. `verify` checks all of
+it, the content address, and that the block sums are those of the rows.
+
+Range verification. After that first whole read a byte tier is read by ranges, and a shared tier can
+change under a live handle (a Redis value overwritten or copied from another key, a file rewritten in
+place keeping its size and mtime). So every range is widened to block boundaries (`BlobLayout.covering`)
+and each block is hashed and compared with the sums held in memory since the verified read
+(`BlobLayout.check`): a changed block fails, and so does a block of another chunk, another layer or
+another position (each block's hash is seeded with the chunk id and the block's index). The hash need
+not be cryptographic: the expected values come from the sha256-verified blob, and whoever can write the
+tier can already write a whole blob that verifies (the sha256 is no signature), so a keyed or
+cryptographic hash would stop nobody that xxh3_64 lets through; what it must catch is accidental change,
+for which 64 bits leave a 2^-64 chance per changed block. Measured: experiments/range_verification.
 """
 
 from __future__ import annotations
@@ -18,16 +32,22 @@ import hashlib
 import json
 import re
 import struct
-from dataclasses import dataclass
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
+import xxhash
 from safetensors.torch import save
 
 from cachetune.chunks.encode import ENCODING_VERSION, EncodedChunk, chunk_id
 from cachetune.chunks.ranking import ranking_from_scores
 from cachetune.store.base import CorruptChunkError, StoredChunk
 
-FORMAT = "cachetune-chunk/4"  # /3 kept keys and values apart and left the metadata out of the checksum
+FORMAT = "cachetune-chunk/5"  # /4 had no block sums (ranges unverified); /3 kept keys and values apart
+ROW_HASH = "xxh3_64"          # the hash of a block of rows (the only one this format knows)
+BLOCK_BYTES = 1 << 15         # a block holds the rows of one layer that fit in this (at least one row)
+_MASK = (1 << 64) - 1
 MAX_HEADER = 1 << 24          # a header longer than this is not one of ours (it holds ~5 small tensors)
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -51,9 +71,33 @@ class ModelShape:
     head_dim: int
 
 
+def block_rows_for(row_bytes: int) -> int:
+    """Rows per verified block for rows of `row_bytes` (what `pack` writes)."""
+    return max(1, BLOCK_BYTES // row_bytes)
+
+
+def _seed(chunk_id_: str) -> int:
+    """The base seed of a chunk's block hashes (block i of the blob is hashed with base + i)."""
+    return int(chunk_id_[:16], 16)
+
+
+def block_sums(kv: memoryview, layers: int, rows: int, row_bytes: int, block_rows: int, chunk_id_: str) -> array:
+    """[layers * blocks] xxh3_64 of every block of the rows `kv` (all layers, ranking order) holds."""
+    blocks = -(-rows // block_rows)
+    seed, sums = _seed(chunk_id_), array("Q")
+    for layer in range(layers):
+        for b in range(blocks):
+            start = (layer * rows + b * block_rows) * row_bytes
+            end = (layer * rows + min((b + 1) * block_rows, rows)) * row_bytes
+            sums.append(xxhash.xxh3_64_intdigest(kv[start:end], (seed + layer * blocks + b) & _MASK))
+    return sums
+
+
 @dataclass(frozen=True)
 class BlobLayout:
-    """Where the K/V rows of a blob lie: byte `kv_start` of the blob, `rows` R per layer."""
+    """Where the K/V rows of a blob lie: byte `kv_start` of the blob, `rows` R per layer; and how its
+    ranges are verified: blocks of `block_rows` rows of one layer, whose xxh3_64 sums are `sums`
+    ([layers * blocks], from the verified blob), hashed with seed `seed` + the block's index."""
 
     kv_start: int
     rows: int
@@ -61,16 +105,72 @@ class BlobLayout:
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    block_rows: int = 1
+    sums: array | None = field(default=None, compare=False, repr=False)
+    seed: int = 0
 
     @property
     def row_bytes(self) -> int:
         return 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def blocks(self) -> int:
+        """Blocks per layer."""
+        return -(-self.rows // self.block_rows)
 
     def span(self, layer: int, lo: int, hi: int) -> tuple[int, int]:
         """(byte offset, byte length) of rank rows [lo, hi) of `layer`: one contiguous range."""
         if not (0 <= layer < self.layers and 0 <= lo <= hi <= self.rows):
             raise IndexError(f"rows [{lo}, {hi}) of layer {layer} outside [0, {self.rows}) x {self.layers} layers")
         return self.kv_start + (layer * self.rows + lo) * self.row_bytes, (hi - lo) * self.row_bytes
+
+    def covering(self, lo: int, hi: int) -> tuple[int, int]:
+        """Rows [a, b) on block boundaries holding rows [lo, hi): what is read so that [lo, hi) can
+        be verified (an empty range stays empty)."""
+        if not 0 <= lo <= hi <= self.rows:
+            raise IndexError(f"rows [{lo}, {hi}) outside [0, {self.rows})")
+        if lo == hi:
+            return lo, hi
+        return lo - lo % self.block_rows, min(hi + (-hi) % self.block_rows, self.rows)
+
+    def check(self, layer: int, lo: int, hi: int, parts: Sequence) -> None:
+        """Verify rows [lo, hi) of `layer` (block-aligned: `covering`), whose bytes are `parts` one
+        after the other (bytes, bytearrays, memoryviews); CorruptChunkError at the first block whose
+        hash is not the one verified with the whole blob."""
+        if hi <= lo:
+            return
+        if self.sums is None:
+            raise CorruptChunkError("no block sums to verify a range with")
+        rb, br = self.row_bytes, self.block_rows
+        if lo % br or (hi % br and hi != self.rows) or not 0 <= layer < self.layers:
+            raise IndexError(f"rows [{lo}, {hi}) of layer {layer} are not whole blocks of {br} rows")
+        views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
+        if sum(len(v) for v in views) != (hi - lo) * rb:
+            raise CorruptChunkError(f"short range: {sum(len(v) for v in views)} of {(hi - lo) * rb} bytes")
+        first = layer * self.blocks
+        part, at = 0, 0  # where the next block starts: views[part][at]
+        for block in range(lo // br, -(-hi // br)):
+            need = (min((block + 1) * br, self.rows) - block * br) * rb
+            seed = (self.seed + first + block) & _MASK
+            view = views[part]
+            if len(view) - at >= need:  # the block lies in one part
+                digest = xxhash.xxh3_64_intdigest(view[at: at + need], seed)
+                at += need
+            else:
+                h = xxhash.xxh3_64(seed=seed)
+                while need:
+                    if at == len(views[part]):
+                        part, at = part + 1, 0
+                    take = min(need, len(views[part]) - at)
+                    h.update(views[part][at: at + take])
+                    at, need = at + take, need - take
+                digest = h.intdigest()
+            if at == len(views[part]) and part + 1 < len(views):
+                part, at = part + 1, 0
+            if digest != self.sums[first + block]:
+                rows = f"[{block * br}, {min((block + 1) * br, self.rows)})"
+                raise CorruptChunkError(f"rows {rows} of layer {layer} changed since the chunk was verified "
+                                        "(block checksum mismatch)")
 
 
 @dataclass(frozen=True)
@@ -114,10 +214,17 @@ def pack(chunk: EncodedChunk, fingerprint: str) -> bytes:
     }
     if chunk.positions is not None:
         tensors["positions"] = chunk.positions.to(torch.int64).contiguous()
-    layers, _, kv_heads, head_dim = chunk.keys.shape
+    layers, rows, kv_heads, head_dim = (int(n) for n in chunk.keys.shape)
+    row_bytes = 2 * kv_heads * head_dim * chunk.keys.dtype.itemsize
+    block_rows = block_rows_for(row_bytes)
+    kv_bytes = memoryview(tensors["kv"].reshape(-1).view(torch.uint8).numpy()) if rows else memoryview(b"")
+    sums = block_sums(kv_bytes.cast("B"), layers, rows, row_bytes, block_rows, chunk.chunk_id)
+    raw = bytearray(sums.tobytes())  # the unsigned sums' bits, stored as I64
+    sums_tensor = torch.frombuffer(raw, dtype=torch.int64) if raw else torch.empty(0, dtype=torch.int64)
+    tensors["kv_sums"] = sums_tensor.view(layers, -(-rows // block_rows))
     meta = {"format": FORMAT, "chunk_id": chunk.chunk_id, "fingerprint": fingerprint, "encoding": ENCODING_VERSION,
             "ranker": chunk.ranker, "variant": chunk.variant,
-            "shape": json.dumps([int(layers), int(kv_heads), int(head_dim)])}
+            "shape": json.dumps([layers, kv_heads, head_dim]), "row_hash": ROW_HASH, "block_rows": str(block_rows)}
     # The tensors' offsets are relative to the data section, so adding the digest moves nothing.
     header, data = split(save(tensors, metadata=meta))
     return save(tensors, metadata={**meta, "sha256": _digest(header, data)})
@@ -196,16 +303,20 @@ def verify(blob: bytes, fingerprint: str, expected_id: str, shape: ModelShape | 
         raise CorruptChunkError("encoded by another model (fingerprint mismatch)")
     if _digest(header, data) != meta.get("sha256"):
         raise CorruptChunkError("checksum mismatch")
-    for key in ("ranker", "variant", "chunk_id", "shape"):
+    for key in ("ranker", "variant", "chunk_id", "shape", "row_hash", "block_rows"):
         if key not in meta:
             raise CorruptChunkError(f"no {key} in the metadata")
+    if meta["row_hash"] != ROW_HASH or not re.fullmatch(r"[1-9][0-9]{0,8}", meta["block_rows"]):
+        raise CorruptChunkError(f"block sums {meta['row_hash']!r} of {meta['block_rows']!r} rows not supported")
+    block_rows = int(meta["block_rows"])
     kv_dtype = header.get("kv", {}).get("dtype") if isinstance(header.get("kv"), dict) else None
     if kv_dtype not in DTYPES:
         raise CorruptChunkError(f"K/V dtype {kv_dtype!r} is not one of {sorted(DTYPES)}")
     ids_at = _spec(header, "token_ids", "I64", 1, len(data))
     rank_at = _spec(header, "ranking", "I64", 1, len(data))
     scores_at = _spec(header, "scores", "F32", 1, len(data))
-    kv_shape, kv_begin, _ = _spec(header, "kv", kv_dtype, 5, len(data))
+    kv_shape, kv_begin, kv_end = _spec(header, "kv", kv_dtype, 5, len(data))
+    sums_shape, sums_begin, sums_end = _spec(header, "kv_sums", "I64", 2, len(data))
     pos_at = _spec(header, "positions", "I64", 1, len(data)) if "positions" in header else None
     (n,), (rows,) = ids_at[0], rank_at[0]
     layers, kv_rows, two, kv_heads, head_dim = kv_shape
@@ -215,6 +326,8 @@ def verify(blob: bytes, fingerprint: str, expected_id: str, shape: ModelShape | 
     if json.dumps([layers, kv_heads, head_dim]) != meta["shape"] or (
             shape is not None and (layers, kv_heads, head_dim) != (shape.layers, shape.kv_heads, shape.head_dim)):
         raise CorruptChunkError(f"K/V shape {layers}x{kv_heads}x{head_dim} is not the model's")
+    if sums_shape != [layers, -(-rows // block_rows)]:
+        raise CorruptChunkError("block sums are not one per block of every layer")
     token_ids = _tensor(data, *ids_at[1:], torch.int64)
     ranking = _tensor(data, *rank_at[1:], torch.int64)
     scores = _tensor(data, *scores_at[1:], torch.float32)
@@ -228,7 +341,12 @@ def verify(blob: bytes, fingerprint: str, expected_id: str, shape: ModelShape | 
         raise CorruptChunkError("ranking is not a permutation of the chunk's rows")
     if not torch.equal(ranking_from_scores(scores), ranking):
         raise CorruptChunkError("ranking does not follow the stored scores")
-    layout = BlobLayout(8 + header_length(blob) + kv_begin, rows, layers, kv_heads, head_dim, DTYPES[kv_dtype])
+    row_bytes = 2 * kv_heads * head_dim * DTYPES[kv_dtype].itemsize
+    sums = array("Q", bytes(data[sums_begin:sums_end]))
+    if sums != block_sums(memoryview(data)[kv_begin:kv_end], layers, rows, row_bytes, block_rows, expected_id):
+        raise CorruptChunkError("block sums are not those of the rows")
+    layout = BlobLayout(8 + header_length(blob) + kv_begin, rows, layers, kv_heads, head_dim, DTYPES[kv_dtype],
+                        block_rows, sums, _seed(expected_id))
     return BlobMeta(expected_id, token_ids, ranking, scores, positions, meta["ranker"], meta["variant"], layout)
 
 

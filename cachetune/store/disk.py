@@ -3,7 +3,10 @@ positioned reads.
 
 Nothing is memory-mapped: a file truncated or rewritten under a live store can only make a read come
 up short (a CorruptChunkError), never crash the process. A handle is re-verified whenever the file's
-inode, size or modification time differ from the ones it was verified with. Files are opened without
+inode, size or modification time differ from the ones it was verified with; and every range read is
+verified by its block sums (store.blob, range verification), so a file rewritten in place that keeps
+its size and mtime is caught too: the read raises CorruptChunkError, counts in `errors` and drops the
+handle, so the next `get` verifies the whole file again (and deletes it). Files are opened without
 following symlinks and must be regular files (a FIFO planted in the folder cannot hang a read).
 Temp files of writers that died mid-write are removed when a store opens the folder.
 """
@@ -45,34 +48,58 @@ def byte_view(out: torch.Tensor) -> memoryview:
     return memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(bytearray())
 
 
-def read_exact(fd: int, offset: int, view: memoryview) -> None:
-    """Fill `view` with the file's bytes at `offset` (a short read is corruption)."""
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+def read_exact(fd: int, offset: int, view: memoryview | list[memoryview]) -> None:
+    """Fill `view` (or the views of a list, one after the other) with the file's bytes at `offset`
+    (a short read is corruption)."""
+    views = [v for v in (view if isinstance(view, list) else [view]) if len(v)]
+    total, done = sum(len(v) for v in views), 0
+    while views:
+        n = os.preadv(fd, views, offset + done)
         if n <= 0:
-            raise CorruptChunkError(f"truncated: {len(view) - done} bytes missing at offset {offset + done}")
+            raise CorruptChunkError(f"truncated: {total - done} bytes missing at offset {offset + done}")
         done += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if views and n:
+            views[0] = views[0][n:]
 
 
 class DiskReader:
     """runtime.loading.RangeReader of disk chunks: one positioned read per chunk per layer, straight
-    into the staging buffer (no tensor operation per chunk)."""
+    into the staging buffer (no tensor operation per chunk), verified by block sums: the range is
+    widened to block boundaries, the extra rows read into small side buffers in the same preadv."""
 
     device = torch.device("cpu")
     blocking = True
 
-    def __init__(self):
+    def __init__(self, store: "DiskStore | None" = None):
+        self.store = store
         self.bytes_read = 0
+
+    def read_into(self, chunk: "DiskChunk", layer: int, lo: int, hi: int, view: memoryview) -> None:
+        """Rank rows [lo, hi) of `layer` of `chunk` into `view`, verified; CorruptChunkError (counted
+        in the store's errors, the handle dropped) when the file no longer holds the verified rows."""
+        lay = chunk.layout
+        a, b = lay.covering(lo, hi)
+        offset, length = lay.span(layer, a, b)
+        head, tail = bytearray((lo - a) * lay.row_bytes), bytearray((b - hi) * lay.row_bytes)  # the widening
+        parts = [memoryview(head), view, memoryview(tail)]
+        try:
+            read_exact(chunk.fileno(), offset, parts)
+            lay.check(layer, a, b, parts)
+        except CorruptChunkError as exc:
+            if self.store is not None:
+                self.store.bad_range(chunk, exc)
+            raise CorruptChunkError(f"{chunk.path}: {exc}") from None
+        self.bytes_read += length
 
     def plan(self, spans):
         def read(layer: int, out: torch.Tensor) -> None:
             view, at = byte_view(out), 0
             for chunk, lo, hi in spans:
-                offset, length = chunk.layout.span(layer, lo, hi)
-                read_exact(chunk.fileno(), offset, view[at: at + length])
+                length = (hi - lo) * chunk.layout.row_bytes
+                self.read_into(chunk, layer, lo, hi, view[at: at + length])
                 at += length
-            self.bytes_read += at
 
         return read
 
@@ -92,12 +119,12 @@ class DiskChunk(BlobChunk):
         return self._fd
 
     def read_rows(self, layer: int, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rank rows [lo, hi) of `layer` as [hi - lo, 2, Hkv, D] (into `out` when given): one read."""
-        offset, _ = self.layout.span(layer, lo, hi)
+        """Rank rows [lo, hi) of `layer` as [hi - lo, 2, Hkv, D] (into `out` when given): one read,
+        verified (DiskReader.read_into)."""
+        self.layout.span(layer, lo, hi)  # bounds
         lay = self.layout
         out = torch.empty(hi - lo, 2, lay.kv_heads, lay.head_dim, dtype=lay.dtype) if out is None else out
-        read_exact(self._fd, offset, byte_view(out))
-        self.reader.bytes_read += out.nbytes
+        self.reader.read_into(self, layer, lo, hi, byte_view(out))
         return out
 
     def load_layer(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +161,8 @@ class DiskStore(ChunkStore):
             raise ValueError(f"max_bytes must be a positive integer or None, got {max_bytes!r}")
         self.fingerprint, self.shape, self.max_bytes = fingerprint, shape, max_bytes
         self.root = Path(root) / fingerprint[:16]
-        self.reader = DiskReader()
+        self.reader = DiskReader(self)
+        self.errors = 0  # range reads that failed their block sums, or came up short
         self.root.mkdir(parents=True, exist_ok=True)
         self._verified: LRUDict[str, DiskChunk] = LRUDict(max_open)
         self._lock = threading.Lock()
@@ -248,6 +276,15 @@ class DiskStore(ChunkStore):
         self._verified.put(chunk_id, stored)
         self.hits += 1
         return self.tag(stored)
+
+    def bad_range(self, chunk: DiskChunk, exc: CorruptChunkError) -> None:
+        """A range of a verified chunk failed (rewritten or truncated under us): count it, and drop the
+        handle so the next `get` verifies the whole file again (deleting it if it is bad)."""
+        with self._lock:
+            self.errors += 1
+            if self._verified.get(chunk.chunk_id) is chunk:
+                self._verified.pop(chunk.chunk_id)
+        log.warning("disk chunk %s: %s; dropped its verified handle", chunk.path, exc)
 
     def _open_verified(self, path: Path, expected_id: str) -> DiskChunk:
         """Open (regular files only, no symlink), read whole, check everything (store.blob.verify)."""

@@ -3,7 +3,9 @@
 Each chunk is one value, the chunk blob (store.blob) under `<prefix>:<fingerprint>:<chunk id>`, written
 once with SET NX (ids are content addresses). A process reads a chunk whole, and verifies it, the
 first time it sees it; after that only rank ranges are read: one pipelined GETRANGE per chunk per
-layer (`RedisReader`), keys and values together. The byte budget and LRU are the server's own
+layer (`RedisReader`), keys and values together, each widened to block boundaries and verified by the
+block sums held since that first read (store.blob, range verification): a value overwritten in part,
+or replaced by another chunk's, fails there. The byte budget and LRU are the server's own
 (`maxmemory` with `maxmemory-policy allkeys-lru`); a value the server evicted is a miss.
 
 Redis failing is never a request failing:
@@ -11,7 +13,11 @@ Redis failing is never a request failing:
   a warning is logged once per outage and `errors` counts the failed calls; for `RETRY_S` after a
   failure the tier is not tried at all (requests do not wait on a dead server), then it reconnects;
 - a read that fails mid-request, or comes back short (evicted meanwhile), raises
-  TierUnavailableError (a CorruptChunkError), on which the engine reads its chunks again.
+  TierUnavailableError (a CorruptChunkError), on which the engine reads its chunks again;
+- a range that fails its block sums (the value changed since it was verified) raises
+  CorruptChunkError and counts in `errors`; the handle is dropped, so the engine's second lookup reads
+  the whole value again, which deletes it when it is bad (the chunk is re-encoded) and adopts it when
+  another process rewrote a valid copy.
 """
 
 from __future__ import annotations
@@ -88,23 +94,36 @@ class RedisReader:
 
     def plan(self, spans):
         def read(layer: int, out: torch.Tensor) -> None:
-            ranges = [(chunk.key, *chunk.layout.span(layer, lo, hi)) for chunk, lo, hi in spans]
+            ranges = []  # (chunk, offset, length of the covering blocks, first row of them, lo, hi)
+            for chunk, lo, hi in spans:
+                a, b = chunk.layout.covering(lo, hi)
+                ranges.append((chunk, *chunk.layout.span(layer, a, b), a, lo, hi))
 
             def fetch(r):
                 pipe = r.pipeline(transaction=False)
-                for key, offset, length in ranges:
-                    pipe.getrange(key, offset, offset + length - 1)
+                for chunk, offset, length, *_ in ranges:
+                    pipe.getrange(chunk.key, offset, offset + length - 1)
                 return pipe.execute()
 
             values = self.store.call(fetch, mid_request=True)
-            view, at = byte_view(out), 0
-            for (key, _, length), value in zip(ranges, values):
+            view, at, fetched = byte_view(out), 0, 0
+            for (chunk, _, length, a, lo, hi), value in zip(ranges, values):
+                lay = chunk.layout
                 if len(value) != length:  # the server evicted (or lost) the value since it was verified
-                    self.store.forget(key)
-                    raise TierUnavailableError(f"redis value {key} is gone or short ({len(value)} of {length} bytes)")
-                view[at: at + length] = value
-                at += length
-            self.bytes_read += at
+                    self.store.forget(chunk.key)
+                    raise TierUnavailableError(f"redis value {chunk.key} is gone or short "
+                                               f"({len(value)} of {length} bytes)")
+                try:
+                    lay.check(layer, a, a + length // lay.row_bytes, [value])
+                except CorruptChunkError as exc:
+                    self.store.bad_range(chunk.key, exc)
+                    raise CorruptChunkError(f"redis value {chunk.key}: {exc}") from None
+                want = (hi - lo) * lay.row_bytes
+                skip = (lo - a) * lay.row_bytes
+                view[at: at + want] = memoryview(value)[skip: skip + want]
+                at += want
+                fetched += length
+            self.bytes_read += fetched
 
         return read
 
@@ -112,7 +131,8 @@ class RedisReader:
 class RedisStore(ChunkStore):
     """Chunks of one model (`fingerprint`, `shape` checked on every value) on the server at `url`.
 
-    `max_open` verified handles are kept per process; `errors` counts calls that failed."""
+    `max_open` verified handles are kept per process; `errors` counts calls that failed and ranges
+    that failed their block sums."""
 
     shared = True
     kind = "redis"
@@ -167,6 +187,14 @@ class RedisStore(ChunkStore):
 
     def forget(self, key: str) -> None:
         self._verified.pop(key.rsplit(":", 1)[-1], None)
+
+    def bad_range(self, key: str, exc: CorruptChunkError) -> None:
+        """A range of a verified value failed its block sums: count it and drop the handle (the next
+        `get` reads and verifies the whole value again, deleting it if it is bad)."""
+        with self._lock:
+            self.errors += 1
+        self.forget(key)
+        log.warning("redis value %s: %s; dropped its verified handle", key, exc)
 
     def put(self, chunk: EncodedChunk) -> None:
         key = self.key(chunk.chunk_id)
