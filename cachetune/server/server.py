@@ -104,15 +104,16 @@ class Server:
 
     # ---- checks ---------------------------------------------------------------------------------
     def check_host(self, http: HttpRequest) -> None:
-        """Without an API key only loopback names (or the address served) may be in Host: a page on
-        another site that resolves its own name to 127.0.0.1 (DNS rebinding) gets no answer."""
-        if self.config.api_key is not None:
+        """A server on loopback without an API key answers only loopback names in Host: a page on
+        another site whose name resolves to 127.0.0.1 (DNS rebinding) gets no answer. (A key decides
+        by itself; a server bound to another address without one is open by the operator's choice.)"""
+        if self.config.api_key is not None or not is_loopback(self.config.host):
             return
         host = http.headers.get("host", "")
         name = host[1:host.index("]")] if host.startswith("[") and "]" in host else host.rsplit(":", 1)[0]
-        if not (is_loopback(name) or name == self.config.host):
-            raise ApiError(403, f"Host {host[:100]!r} is not this server's; without an API key only loopback "
-                                "names are served (set --api-key to serve other names)")
+        if not is_loopback(name):
+            raise ApiError(403, f"Host {host[:100]!r} is not a loopback name; a server on loopback without an "
+                                "API key serves only those (set --api-key to serve other names)")
 
     def authorize(self, http: HttpRequest) -> None:
         self.check_host(http)

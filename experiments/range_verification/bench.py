@@ -182,13 +182,18 @@ def hashing_alone_ms(chunks, spans_of, tier_store) -> tuple[float, int]:
         for layer in range(lay.layers):
             offset, length = lay.span(layer, a, b)
             work.append((lay, layer, a, b, memoryview(blobs[chunk.chunk_id])[offset: offset + length]))
+    return checks_ms(work), sum(len(w[-1]) for w in work)
+
+
+def checks_ms(work) -> float:
+    """Best of 3 timings (ms) of the block checks of `work`: (layout, layer, lo, hi, bytes) ranges."""
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
         for lay, layer, a, b, view in work:
             lay.check(layer, a, b, [view])
         best = min(best, time.perf_counter() - start)
-    return best * 1000, sum(len(w[-1]) for w in work)
+    return best * 1000
 
 
 RATIOS = [i / 20 for i in range(1, 11)]  # recompute shares 0.05 .. 0.5
@@ -216,13 +221,7 @@ def block_sweep(layouts, ratio: float, fingerprint: str, sizes: list[int]) -> li
                     for layer in range(lay.layers):
                         offset, length = lay.span(layer, a, b)
                         work.append((lay, layer, a, b, memoryview(data)[offset: offset + length]))
-                best = float("inf")
-                for _ in range(3):
-                    start = time.perf_counter()
-                    for lay, layer, a, b, view in work:
-                        lay.check(layer, a, b, [view])
-                    best = min(best, time.perf_counter() - start)
-                ms.append(best * 1000)
+                ms.append(checks_ms(work))
                 widening.append(100 * (sum(len(w[-1]) for w in work) / plain - 1))
             extra = read = 0  # the widening over many recompute shares, so no one share's luck decides
             for layout in layouts:
