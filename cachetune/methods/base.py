@@ -317,8 +317,9 @@ def check_request_method(spec: str, config: EngineConfig) -> None:
     name of that method's weights, or exactly the value the operator configured in `config`
     (`--c2kv-extractor`, ..., or in the configured default `--method`; a file the operator chose
     included). So the weights a request can load are bounded by what the operator configured; a
-    file path of the client's choosing is refused with the same message whether or not it exists. Nothing here touches the filesystem or loads
-    anything. Library callers (Python API, CLI) are not restricted: `make_method` still takes files."""
+    file path of the client's choosing is refused with the same message whether or not it exists.
+    Nothing here touches the filesystem or loads anything. Library callers (Python API, CLI) are not
+    restricted: `make_method` still takes files."""
     if isinstance(spec, str) and len(spec) > MAX_SPEC_CHARS:
         raise ValueError(f"a method name is at most {MAX_SPEC_CHARS} characters, got {len(spec)}")
     base = _entry(spec)[0]
