@@ -204,3 +204,10 @@ def test_token_ids_outside_the_vocabulary_are_refused_by_name(served):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]"
     assert json.loads(served.http.get("/v1/models").text)["data"][0]["id"] == "tiny-llama"
     assert httpx.get(f"{served.url}/health").status_code == 200
+
+
+def test_a_prompt_that_ends_with_a_registered_document_still_computes_its_last_token(served):
+    served.register(DOCS[0])
+    out = complete(served, DOCS[0], extra_body={"method": "full_reuse"})
+    assert out.model_extra["cachetune"]["computed_tokens"] >= 1
+    assert out.choices[0].finish_reason in ("length", "stop")

@@ -40,7 +40,7 @@ from cachetune.config import EngineConfig
 from cachetune.model.adapter import ModelAdapter
 
 # The default of EngineConfig.ranking: the ranker with the lowest KL to full recompute at r = 0.15
-# across both models and datasets measured (docs/results.md, issue 4). The probe finds more of the
+# across both models and datasets measured (docs/results.md, offline rankings). The probe finds more of the
 # high-drift tokens, but position gave equal or better fidelity, at no offline cost.
 DEFAULT_RANKER = EngineConfig.ranking
 

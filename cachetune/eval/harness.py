@@ -101,7 +101,7 @@ class EvalConfig:
         if engine.config.ranking != "lf":  # plain "cachetune" means the configured ranking
             key["ranking"] = engine.config.ranking
         # ... and its selection, when a method reads it from the config (a name may set it) and it is
-        # not the default. Files written before issue 16 changed the defaults name the old ones.
+        # not the default. Files written under earlier defaults name the old ones, so they still resume.
         reads = set().union(*(config_settings(m) for m in self.methods))
         for name in ("allocation", "signal"):
             if name in reads and getattr(engine.config, name) != getattr(EngineConfig, name):

@@ -34,8 +34,9 @@ import math
 import torch
 
 from cachetune.config import ALLOCATIONS
-START_SHARE = 0.8   # `starts`, `spread`, `focus`: the budget's share spent on chunk starts (issue 16)
-SIGNAL_TOKENS = 4   # `spread`, `focus`: at most this many of a chunk's tokens picked by the signal (issue 16)
+START_SHARE = 0.8   # `starts`, `spread`, `focus`: the budget's share spent on chunk starts (the lowest KL measured)
+SIGNAL_TOKENS = 4   # `spread`, `focus`: at most this many of a chunk's tokens picked by the signal (so no one
+                    # chunk takes the signal's whole share)
 WITH_STARTS = ("starts", "spread", "focus")  # allocations that give `start_share` to chunk starts first
 PER_CHUNK = ("proportional", "equal", "spread")  # allocations whose signal picks within each chunk's own share
 

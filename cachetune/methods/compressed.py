@@ -1,4 +1,4 @@
-"""Training-free 4x compressed chunk KV: the controls C2KV is measured against (issue 12).
+"""Training-free 4x compressed chunk KV: the controls C2KV is measured against (what training adds).
 
 Each chunk keeps one KV row per block of `block` tokens, placed at the position of the block's last
 token (where C2KV puts its C2Token); nothing is recomputed. `keep_every_4th` keeps the last token's

@@ -33,7 +33,7 @@ from cachetune.runtime.kv_cache import KVCache
 from cachetune.runtime.loading import LayerLoader, Pipeline
 
 # Layers the question signal reads: the first two carry little (positional heads); from the fourth
-# on, the gain per layer is small on SmolLM2 while the pass costs more (docs/results.md, issue 16).
+# on, the gain per layer is small on SmolLM2 while the pass costs more (docs/results.md, selection).
 SIGNAL_LAYERS = 4
 # The `attended` signal reads the deviation on this many times the tokens it may pick (the question's
 # top-attended ones): the deviation pass costs |candidates| / N of a layer, so the pool stays small.
@@ -53,8 +53,7 @@ EXTRA_ATTENTION = 0.25
 # Measured price over predicted where the machine has no calibration of its own (`cachetune
 # calibrate-price` measures it): the prediction as counted. On the 2-core AMD EPYC with AVX512-BF16
 # the measured scale is 1.05 (95% CI 0.85-1.25; Qwen2.5-1.5B, 85 rows of MuSiQue, 2WikiMQA and
-# held-out HotpotQA, scripts/price_fit.py; 0.90 by calibrate-price; docs/results.md, issue 16,
-# thirty-first and thirty-second sessions).
+# held-out HotpotQA, scripts/price_fit.py; 0.90 by calibrate-price; docs/results.md, selection).
 PRICE_SCALE = 1.0
 
 

@@ -3,8 +3,8 @@
 A signal pass runs a few dozen tokens through many layers, so its time goes to the weight matrices.
 With int8 weights (one scale per output row) and each call's input quantized on the fly, PyTorch's
 oneDNN kernels (VNNI / AMX-INT8) do those products 1.4-3x faster than bfloat16 on an AMX CPU in
-isolation, though a whole Qwen-1.5B request gained less than its noise (docs/results.md, issue 16,
-twenty-eighth session); weight-only int8 kernels, made for one-token decoding, are 4x slower than
+isolation, though a whole Qwen-1.5B request gained less than its noise (docs/results.md,
+selection); weight-only int8 kernels, made for one-token decoding, are 4x slower than
 bfloat16 at this many tokens. The kernels quantize their input with one scale for the whole matrix,
 so each token is first scaled to the same range: one token with outsized activations (a delimiter,
 an attention sink) would otherwise take the other tokens' precision. Output in the input's dtype.

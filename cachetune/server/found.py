@@ -14,6 +14,7 @@ is matched only when the prompt has it too.
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 from cachetune.lru import LRUDict
@@ -35,11 +36,13 @@ class Entry(NamedTuple):
 
 
 class DocumentIndex:
-    """The most recently registered `capacity` documents, by their first tokens."""
+    """The most recently registered `capacity` documents, by their first tokens. Safe to use from
+    several threads (the engine thread registers, the tokenizer thread searches)."""
 
     def __init__(self, capacity: int):
         self._entries: LRUDict[str, Entry] = LRUDict(capacity)
         self._by_key: dict[tuple[int, ...], set[str]] = {}
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -47,13 +50,21 @@ class DocumentIndex:
     def add(self, chunk_id: str, body: list[int], chunk: list[int]) -> None:
         if not body:
             return
-        self.remove(chunk_id)
+        with self._lock:
+            self._add(chunk_id, body, chunk)
+
+    def _add(self, chunk_id: str, body: list[int], chunk: list[int]) -> None:
+        self._remove(chunk_id)
         self._entries.put(chunk_id, Entry(chunk_id, tuple(body), tuple(chunk)))
         self._by_key.setdefault(tuple(body[:KEY_TOKENS]), set()).add(chunk_id)
         if len(self._by_key) > 2 * self._entries.capacity:
             self._prune()
 
     def remove(self, chunk_id: str) -> None:
+        with self._lock:
+            self._remove(chunk_id)
+
+    def _remove(self, chunk_id: str) -> None:
         entry = self._entries.pop(chunk_id)
         if entry is not None:
             ids = self._by_key.get(entry.body[:KEY_TOKENS], set())
@@ -71,8 +82,10 @@ class DocumentIndex:
     def find(self, prompt: list[int]) -> list[Found]:
         """The registered documents in `prompt`, left to right, not overlapping; where several
         match at one place the longest wins."""
-        if not self._by_key:
-            return []
+        with self._lock:
+            return self._find(prompt) if self._by_key else []
+
+    def _find(self, prompt: list[int]) -> list[Found]:
         lengths = sorted({len(k) for k in self._by_key}, reverse=True)
         found, at, n = [], 0, len(prompt)
         while at < n:

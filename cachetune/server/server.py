@@ -35,7 +35,7 @@ from cachetune.errors import RequestError
 from cachetune.methods import check_request_method, method_settings
 from cachetune.methods.layout import PromptLayout, Segment
 from cachetune.runtime.decode import SamplingConfig
-from cachetune.server.found import DocumentIndex
+from cachetune.server.found import DocumentIndex, Found
 from cachetune.server.http import ApiError, is_loopback
 from cachetune.server.metrics import ServerMetrics
 from cachetune.server.protocol import ChatCompletionRequest, CompletionRequest, DocumentById, GenerationFields, \
@@ -62,6 +62,7 @@ class Prepared(NamedTuple):
     afters: list[torch.Tensor]       # per prompt, ids after the documents (a completion: its prompt)
     inline: dict[int, Document]      # documents[i] given as text
     echoed: list[str | None]         # per prompt, the text an echo repeats (None: decode the prompt's ids)
+    found: list[list[Found]]         # per prompt, the registered documents in it (completions without `documents`)
 
 
 class Choice:
@@ -184,7 +185,7 @@ class Server:
                 before, after = engine.template.chat(messages, calls)
             except ValueError as exc:
                 raise ApiError(400, str(exc), "messages") from None
-            return Prepared(before, [after], inline, [None])
+            return Prepared(before, [after], inline, [None], [[]])
         afters, echoed = [], []
         for i, prompt in enumerate(body.prompts):
             if isinstance(prompt, str):
@@ -196,7 +197,10 @@ class Server:
                                    f"prompt[{i}]" if len(body.prompts) > 1 else "prompt")
                 afters.append(torch.tensor(prompt, dtype=torch.int64))
                 echoed.append(None)
-        return Prepared(torch.empty(0, dtype=torch.int64), afters, inline, echoed)
+        # Searched here, off the engine thread; used only by methods that reuse KV (`_layout`).
+        search = self.config.find_documents and not body.document_refs
+        found = [self.documents.find(after.tolist()) if search else [] for after in afters]
+        return Prepared(torch.empty(0, dtype=torch.int64), afters, inline, echoed, found)
 
     def texts_of(self, body: GenerationFields) -> list[str]:
         docs = [r if isinstance(r, str) else r.text for r in body.document_refs if not _names_a_document(r)]
@@ -245,15 +249,15 @@ class Server:
                 raise ApiError(413, str(exc), f"documents[{i}]") from None
         return out
 
-    def _layout(self, before: torch.Tensor, documents: list[StoredChunk], after: torch.Tensor, reuses_kv: bool
-                ) -> PromptLayout:
+    def _layout(self, before: torch.Tensor, documents: list[StoredChunk], after: torch.Tensor, found: list[Found],
+                reuses_kv: bool) -> PromptLayout:
         """The prompt; a completion prompt without `documents`, for a method that reuses KV, gets the
-        registered documents found in it."""
-        if documents or before.numel() or not self.config.find_documents or not reuses_kv:
+        registered documents `found` in it."""
+        found = [hit for hit in found if hit.end < after.numel()]  # the prompt's last token is always computed
+        if not found or not reuses_kv:
             return self.engine.prompt_from(before, documents, after)
-        ids = after.tolist()
         segments, at = [], 0
-        for hit in self.documents.find(ids):
+        for hit in found:
             if hit.start > at:
                 segments.append(Segment(after[at:hit.start]))
             span = after[hit.start:hit.end]
@@ -262,7 +266,7 @@ class Server:
             # tokens (once: later prompts find it stored).
             segments.append(Segment(span, stored or self.engine.chunk(self.engine.cache_tokens(span))))
             at = hit.end
-        if at < len(ids) or not segments:
+        if at < after.numel():
             segments.append(Segment(after[at:]))
         return PromptLayout(segments)
 
@@ -279,7 +283,8 @@ class Server:
         if why:
             raise ApiError(400, f"method {method.name!r} cannot serve here: {why}", "method")
         documents = self._resolve(body, prepared, new_tokens)
-        prompts = [self._layout(prepared.before, documents, after, method.reuses_kv) for after in prepared.afters]
+        prompts = [self._layout(prepared.before, documents, after, found, method.reuses_kv)
+                   for after, found in zip(prepared.afters, prepared.found)]
         for prompt in prompts:
             if self.max_prompt_tokens is not None and prompt.total + new_tokens > self.max_prompt_tokens:
                 raise RequestError(f"prompt of {prompt.total} tokens plus max_tokens {new_tokens} is over the limit "

@@ -7,8 +7,8 @@ and AdamW's moments, safetensors: nothing is unpickled), `state.json` (step, set
 history) and `weights.safetensors` (the latest trained tokens alone, what serving loads). Both files are
 written atomically every `save_every` steps and when the run stops: a run killed at any moment
 resumes from its last checkpoint, and because each step's data is a pure function of (seed, step)
-it sees the same documents an uninterrupted run would. `max_minutes` ends a run cleanly so that one
-session's piece never outlives the session.
+it sees the same documents an uninterrupted run would. `max_minutes` ends a run cleanly so that a
+piece run in a time-boxed job stops before the job is killed.
 """
 
 from __future__ import annotations
