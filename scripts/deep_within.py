@@ -35,7 +35,7 @@ from cachetune.config import EngineConfig
 from cachetune.engine.engine import Engine
 from cachetune.eval.datasets import load_dataset
 from cachetune.eval.harness import QUESTION_LABEL, TASK_SYSTEM, DOCUMENT_SEPARATOR
-from cachetune.methods.layout import PromptLayout, Segment
+from cachetune.runtime.layout import PromptLayout, Segment
 from cachetune.methods.ranked import DEEP_DTYPE
 from cachetune.methods.signals import PRICE_SCALE, deep_focus_price
 

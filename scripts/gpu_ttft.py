@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from cachetune.chunks.encode import encode_chunk
 from cachetune.chunks.ranking import top_share
 from cachetune.eval.bench_pipeline import VARIANTS
-from cachetune.methods.layout import PromptLayout, Segment
-from cachetune.methods.prefill import full_prefill, selective_prefill
+from cachetune.runtime.layout import PromptLayout, Segment
+from cachetune.runtime.prefill import full_prefill, selective_prefill
 from cachetune.model.adapter import ModelAdapter
 from cachetune.store.memory import MemoryStore
 

@@ -31,7 +31,7 @@ from transformers import (
 from cachetune.chunks.encode import encode_chunk
 from cachetune.config import EngineConfig
 from cachetune.engine.engine import Engine
-from cachetune.methods.layout import PromptLayout, Segment
+from cachetune.runtime.layout import PromptLayout, Segment
 from cachetune.model.adapter import ModelAdapter
 from cachetune.model.loader import LoadedModel
 from cachetune.store.memory import MemoryStore

@@ -10,7 +10,7 @@ import torch
 from cachetune.eval.bench_pipeline import (VARIANTS, PipelineBenchConfig, format_pipeline_table, moved_layout,
                                            run_bench_pipeline)
 from cachetune.eval.datasets import bundled_sample_path, load_dataset
-from cachetune.methods.prefill import selective_prefill
+from cachetune.runtime.prefill import selective_prefill
 from cachetune.store.disk import DiskStore
 from cachetune.store.memory import MemoryStore
 from cachetune.store.throttled import Medium, ThrottledStore

@@ -17,7 +17,7 @@ from cachetune.config import EngineConfig, TierSpec, parse_medium, parse_tiers
 from cachetune.engine.calibration import AUTO, PRICE, CalibrationFile, CalibrationKey
 from cachetune.methods.ranked import DEEP_DTYPE
 from cachetune.methods.signals import PRICE_SCALE, deep_focus_price
-from cachetune.methods.prefill import reuse_plan
+from cachetune.runtime.prefill import reuse_plan
 from cachetune.store.memory import MemoryStore
 from cachetune.store.throttled import Medium, ThrottledStore
 from cachetune.store.tiered import TieredStore

@@ -10,7 +10,7 @@ import torch
 
 from cachetune.c2kv.extractor import block_ends
 from cachetune.methods.compressed import block_prefill
-from cachetune.methods.prefill import selective_prefill
+from cachetune.runtime.prefill import selective_prefill
 from cachetune.runtime.decode import extend
 from conftest import (
     assert_close,

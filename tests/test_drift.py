@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cachetune.chunks.encode import encode_chunk
-from cachetune.methods.layout import PromptLayout, Segment
+from cachetune.runtime.layout import PromptLayout, Segment
 from cachetune.eval.datasets import QAExample
 from cachetune.eval.drift import (
     DRIFT_DEFINITION,

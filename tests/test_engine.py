@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cachetune import Engine, EngineConfig, SamplingConfig
-from cachetune.methods.layout import PromptLayout, Segment
+from cachetune.runtime.layout import PromptLayout, Segment
 from cachetune.engine.selfcheck import ReuseRefusedError
 from cachetune.model.adapter import ModelAdapter
 from cachetune.model.loader import load_model

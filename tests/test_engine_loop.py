@@ -14,7 +14,7 @@ import torch
 from cachetune import RequestError, RequestStatus, SamplingConfig
 from cachetune.chunks.encode import chunk_id
 from cachetune.methods import method_names
-from cachetune.methods.prefill import full_prefill, selective_prefill
+from cachetune.runtime.prefill import full_prefill, selective_prefill
 from cachetune.runtime.decode import extend
 from cachetune.runtime.forward import decode_step
 from conftest import assert_close, build_layout, none_selected, rand_ids, tiny_engine, words

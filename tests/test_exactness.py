@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cachetune.runtime.decode import SamplingConfig, extend, generate_tokens
-from cachetune.methods.prefill import full_prefill, selective_prefill
+from cachetune.runtime.prefill import full_prefill, selective_prefill
 from cachetune.runtime.loading import Pipeline
 from conftest import (
     hf_cache_from_rows,

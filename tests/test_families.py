@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PhiConfig
 
 from cachetune.runtime.decode import SamplingConfig, extend, generate_tokens
-from cachetune.methods.prefill import full_prefill, selective_prefill
+from cachetune.runtime.prefill import full_prefill, selective_prefill
 from cachetune.engine.selfcheck import run_self_check
 from cachetune.model.adapter import ModelAdapter, UnsupportedModelError
 from conftest import (

@@ -1,5 +1,7 @@
 """Packages import only downwards: runtime at the bottom, then chunks, stores and methods, then the
-engine, then eval, tuning, training and the server, then the CLI. Every import counts, including those inside functions."""
+engine, then eval, tuning and the server, then training, then the CLI. Every import counts, including
+those inside functions and `importlib.import_module` calls on a constant name; and no two packages
+import each other, even within one layer (a cycle between packages is a cycle however it is layered)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ LAYERS = [
     {"store"},
     {"methods"},
     {"engine"},
-    {"eval", "train", "server", "tuning"},
+    {"eval", "server", "tuning"},
+    {"train"},
     {"cli"},
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
@@ -30,7 +33,10 @@ def _imports(path: Path, root: Path):
     if path.name != "__init__.py":
         package = package.rsplit(".", 1)[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
+        if (isinstance(node, ast.Call) and _called_name(node.func) == "import_module" and node.args
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            yield node.lineno, node.args[0].value
+        elif isinstance(node, ast.Import):
             yield from ((node.lineno, alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
@@ -41,6 +47,10 @@ def _imports(path: Path, root: Path):
                 yield from ((node.lineno, f"cachetune.{alias.name}") for alias in node.names)
             else:
                 yield node.lineno, base
+
+
+def _called_name(func: ast.expr) -> str | None:
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
 
 
 def _layer(module: str) -> str:
@@ -69,6 +79,38 @@ def layering_violations(root: Path) -> list[str]:
     return violations
 
 
+def package_cycles(root: Path) -> list[str]:
+    """Every cycle of imports between the top-level packages (and modules) of the tree at `root`,
+    each as "a -> b -> ... -> a", found by a depth-first search of the package import graph."""
+    edges: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        where = path.relative_to(root)
+        if where == Path("__init__.py"):
+            continue
+        own = where.parts[0].removesuffix(".py")
+        for _, module in _imports(path, root):
+            if module.startswith("cachetune.") and _layer(module) != own:
+                edges.setdefault(own, set()).add(_layer(module))
+    cycles, done = [], set()
+
+    def visit(node: str, path: list[str]) -> None:
+        for target in sorted(edges.get(node, ())):
+            if target in path:
+                cycle = path[path.index(target):] + [target]
+                if frozenset(cycle) not in done:
+                    done.add(frozenset(cycle))
+                    cycles.append(" -> ".join(cycle))
+            elif target not in finished:
+                visit(target, [*path, target])
+        finished.add(node)
+
+    finished: set[str] = set()
+    for start in sorted(edges):
+        if start not in finished:
+            visit(start, [start])
+    return cycles
+
+
 def test_no_module_imports_a_layer_above_its_own():
     violations = layering_violations(ROOT)
     assert not violations, "\n".join(violations)
@@ -84,3 +126,21 @@ def test_the_layering_check_reports_upward_and_unknown_imports(tmp_path):
         "runtime/probe.py:2 (runtime) imports cachetune.engine.engine (engine, above)",
         "web.py: package 'web' has no layer in LAYERS",
     ]
+
+
+def test_no_two_packages_import_each_other():
+    cycles = package_cycles(ROOT)
+    assert not cycles, "\n".join(cycles)
+
+
+def test_the_cycle_check_finds_a_cycle_within_one_layer_and_through_import_module(tmp_path):
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "report.py").write_text("import importlib\nm = importlib.import_module('cachetune.server.app')\n")
+    (tmp_path / "server").mkdir()
+    (tmp_path / "server" / "app.py").write_text("def f():\n    from cachetune.tuning.search import search\n")
+    (tmp_path / "tuning").mkdir()
+    (tmp_path / "tuning" / "search.py").write_text("from ..eval import report\n")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "a.py").write_text("from cachetune.runtime import forward\n")
+    assert package_cycles(tmp_path) == ["eval -> server -> tuning -> eval"]
+    assert layering_violations(tmp_path) == ["model/a.py:1 (model) imports cachetune.runtime (runtime, above)"]

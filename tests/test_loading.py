@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from cachetune.chunks.encode import encode_chunk
-from cachetune.methods.layout import PromptLayout, Segment
-from cachetune.methods.prefill import full_prefill, selective_prefill
+from cachetune.runtime.layout import PromptLayout, Segment
+from cachetune.runtime.prefill import full_prefill, selective_prefill
 from cachetune.model.adapter import ModelAdapter
 from cachetune.runtime.loading import SEQUENTIAL, Pipeline, StagingPool
 from cachetune.store.disk import DiskStore

@@ -12,10 +12,10 @@ from cachetune.chunks.rankers import ChunkView, get_ranker
 from cachetune.config import EngineConfig
 from cachetune.methods.ape import APESettings, ape_attention, ape_prefill
 from cachetune.runtime.decode import SamplingConfig, extend, generate_tokens
-from cachetune.methods.layout import PromptLayout, Segment
-from cachetune.methods.prefill import full_prefill, prefix_prefill, pruned_prefill, selective_prefill
-from cachetune.methods import prefix_cache
-from cachetune.methods.prefix_cache import PrefixCache
+from cachetune.runtime.layout import PromptLayout, Segment
+from cachetune.runtime.prefill import full_prefill, prefix_prefill, pruned_prefill, selective_prefill
+from cachetune.runtime import prefix_cache
+from cachetune.runtime.prefix_cache import PrefixCache
 from cachetune.methods import SelectionRequest, SelectiveMethod, make_method, method_names, split_global_top
 from cachetune.methods.allocation import allocate, proportional_quotas
 from cachetune.methods.cacheslide import CacheSlideSelector

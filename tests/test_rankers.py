@@ -10,7 +10,7 @@ from cachetune.chunks.kv import encode_kv
 from cachetune.chunks.probes import PROBE_PASSAGES, ProbeBank
 from cachetune.chunks.rankers import ChunkView, ProbeRanker, RankingContext, get_ranker, rank_tokens
 from cachetune.chunks.ranking import kv_drift, lf_scores, low_frequency, rank_fusion, ranking_from_scores, top_share
-from cachetune.methods.layout import PromptLayout, Segment
+from cachetune.runtime.layout import PromptLayout, Segment
 from cachetune.config import EngineConfig
 from cachetune.methods import SelectionRequest, is_method, make_method
 from cachetune.methods.selector import split_global_top

@@ -40,8 +40,8 @@ from cachetune.engine.selfcheck import ReuseRefusedError, run_self_check
 from cachetune.errors import RequestError
 from cachetune.lru import LRUDict
 from cachetune.methods import Method, MethodContext, Prefill, PromptLayout, Segment, make_method
-from cachetune.methods.prefix_cache import PrefixCache
-from cachetune.methods.rankings import ChunkRankings
+from cachetune.runtime.prefix_cache import PrefixCache
+from cachetune.chunks.rankings import ChunkRankings
 from cachetune.model.adapter import ModelAdapter
 from cachetune.model.loader import LoadedModel, default_cache_dir, load_model, model_fingerprint, weights_identity
 from cachetune.runtime.decode import SamplingConfig, TokenLogprob, sample, token_logprobs

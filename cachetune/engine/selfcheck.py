@@ -13,8 +13,8 @@ import torch
 
 from cachetune.chunks.encode import encode_chunk
 from cachetune.errors import CachetuneError
-from cachetune.methods.layout import PromptLayout, Segment
-from cachetune.methods.prefill import full_prefill, selective_prefill
+from cachetune.runtime.layout import PromptLayout, Segment
+from cachetune.runtime.prefill import full_prefill, selective_prefill
 from cachetune.model.adapter import ModelAdapter
 from cachetune.runtime.loading import Pipeline
 from cachetune.store.memory import MemoryStore

@@ -25,7 +25,7 @@ from cachetune.eval.datasets import QAExample
 from cachetune.eval.harness import DOCUMENT_SEPARATOR, TASK_SYSTEM, Setting, Variant
 from cachetune.eval.report import pyplot, save_figure
 from cachetune.methods.full_recompute import FULL_RECOMPUTE
-from cachetune.methods.prefill import selective_prefill
+from cachetune.runtime.prefill import selective_prefill
 from cachetune.methods.signals import QuestionAttention
 
 RATIOS = (0.05, 0.10, 0.15, 0.20, 0.30, 0.40)

@@ -33,8 +33,8 @@ from cachetune.engine.engine import Engine
 from cachetune.eval.datasets import QAExample
 from cachetune.eval.report import pyplot, save_figure
 from cachetune.eval.bench_batch import example_prompt
-from cachetune.methods.layout import PromptLayout, Segment
-from cachetune.methods.prefill import full_prefill, selective_prefill
+from cachetune.runtime.layout import PromptLayout, Segment
+from cachetune.runtime.prefill import full_prefill, selective_prefill
 from cachetune.runtime.loading import SEQUENTIAL, Pipeline
 from cachetune.store.base import ChunkStore
 from cachetune.store.blob import ModelShape

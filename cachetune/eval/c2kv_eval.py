@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from cachetune.chunks.encode import EncodedChunk, chunk_id
-from cachetune.eval.datasets import QAExample
+from cachetune.eval.datasets import QAExample, load_split
 from cachetune.eval.harness import DOCUMENT_SEPARATOR
 from cachetune.methods.c2kv import encode_c2kv
 from cachetune.store.blob import pack
@@ -24,9 +24,7 @@ SHUFFLED = "shuffled"
 
 
 def heldout_examples(limit: int | None = None) -> list[QAExample]:
-    """The held-out HotpotQA rows of train.data's fixed split (training never reads them)."""
-    from cachetune.train.data import load_split
-
+    """The held-out HotpotQA rows of the training set's fixed split (training never reads them)."""
     rows = load_split().heldout
     return rows[:limit] if limit is not None else rows
 

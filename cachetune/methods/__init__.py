@@ -15,8 +15,8 @@ from cachetune.methods.base import (
     method_settings,
     register,
 )
-from cachetune.methods.layout import PromptLayout, Segment
-from cachetune.methods.prefill import Prefill
+from cachetune.runtime.layout import PromptLayout, Segment
+from cachetune.runtime.prefill import Prefill
 from cachetune.methods.selector import SelectionRequest, SelectiveMethod, TokenSelector, split_global_top
 
 __all__ = ["METHODS", "Method", "MethodContext", "Prefill", "PromptLayout", "Segment", "SelectionRequest",

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from cachetune.methods.base import Method, MethodContext, register
-from cachetune.methods.layout import PromptLayout
-from cachetune.methods.prefill import Prefill
+from cachetune.runtime.layout import PromptLayout
+from cachetune.runtime.prefill import Prefill
 from cachetune.model.adapter import ModelAdapter
 from cachetune.runtime.forward import forward_active
 from cachetune.runtime.kv_cache import KVCache

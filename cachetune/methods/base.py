@@ -26,9 +26,9 @@ from cachetune.c2kv.bank import SHIPPED, ExtractorBank, LoadedTokens
 from cachetune.chunks.encode import EncodedChunk, chunk_id
 from cachetune.chunks.rankers import Ranker
 from cachetune.config import EngineConfig
-from cachetune.methods.layout import PromptLayout
-from cachetune.methods.prefill import Prefill
-from cachetune.methods.prefix_cache import PrefixCache
+from cachetune.runtime.layout import PromptLayout
+from cachetune.runtime.prefill import Prefill
+from cachetune.runtime.prefix_cache import PrefixCache
 from cachetune.model.adapter import ModelAdapter
 from cachetune.runtime.kv_cache import KVCache
 from cachetune.runtime.loading import Pipeline

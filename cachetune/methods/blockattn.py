@@ -20,8 +20,8 @@ from cachetune.chunks.encode import EncodedChunk
 from cachetune.chunks.kv import encode_kv
 from cachetune.config import EngineConfig
 from cachetune.methods.base import Method, MethodContext, TrainedMethod, check_name, register
-from cachetune.methods.layout import PromptLayout, Segment
-from cachetune.methods.prefill import Prefill, selective_prefill
+from cachetune.runtime.layout import PromptLayout, Segment
+from cachetune.runtime.prefill import Prefill, selective_prefill
 from cachetune.store.base import StoredChunk
 
 

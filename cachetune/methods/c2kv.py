@@ -25,8 +25,8 @@ from cachetune.chunks.encode import EncodedChunk
 from cachetune.config import EngineConfig
 from cachetune.methods.base import Method, MethodContext, TrainedMethod, MAX_TOKENS, check_int, check_name, register
 from cachetune.methods.compressed import compressed_rows
-from cachetune.methods.layout import PromptLayout, Segment
-from cachetune.methods.prefill import Prefill, compressed_prefill
+from cachetune.runtime.layout import PromptLayout, Segment
+from cachetune.runtime.prefill import Prefill, compressed_prefill
 from cachetune.store.base import StoredChunk
 
 

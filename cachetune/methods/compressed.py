@@ -18,8 +18,8 @@ import torch
 
 from cachetune.c2kv.extractor import block_ends
 from cachetune.methods.base import MAX_TOKENS, Method, MethodContext, check_int, register
-from cachetune.methods.layout import PromptLayout, Segment
-from cachetune.methods.prefill import Prefill, compressed_prefill
+from cachetune.runtime.layout import PromptLayout, Segment
+from cachetune.runtime.prefill import Prefill, compressed_prefill
 from cachetune.runtime.loading import Pipeline
 from cachetune.store.base import StoredChunk
 

@@ -9,8 +9,8 @@ the prompts they served in the prefix cache; approximate KV of a reuse method ne
 from __future__ import annotations
 
 from cachetune.methods.base import Method, MethodContext, NoSettings, register
-from cachetune.methods.layout import PromptLayout
-from cachetune.methods.prefill import Prefill, full_prefill, prefix_prefill
+from cachetune.runtime.layout import PromptLayout
+from cachetune.runtime.prefill import Prefill, full_prefill, prefix_prefill
 from cachetune.runtime.kv_cache import KVCache
 
 FULL_RECOMPUTE = "full_recompute"

@@ -18,8 +18,8 @@ import torch
 from cachetune.config import EngineConfig
 from cachetune.kvlink.links import LinkTokens, link_layout
 from cachetune.methods.base import Method, MethodContext, TrainedMethod, MAX_COUNT, check_int, check_name, register
-from cachetune.methods.layout import PromptLayout
-from cachetune.methods.prefill import Prefill
+from cachetune.runtime.layout import PromptLayout
+from cachetune.runtime.prefill import Prefill
 from cachetune.model.adapter import ModelAdapter
 from cachetune.runtime.forward import forward_active
 from cachetune.runtime.kv_cache import KVCache

@@ -14,7 +14,7 @@ from cachetune.methods.allocation import (ALLOCATIONS, PER_CHUNK, SIGNAL_TOKENS,
                                          request_budget, start_count, starts)
 from cachetune.methods.base import (MAX_LAYERS, MAX_TOKENS, Method, NoSettings, RatioSettings, check_int, check_ratio,
                                     register)
-from cachetune.methods.prefill import Prefilled
+from cachetune.runtime.prefill import Prefilled
 from cachetune.methods.selector import SelectionRequest, SelectiveMethod, TokenSelector
 from cachetune.methods.signals import (DEVIATION_LAYER, PRICE_SCALE, SIGNAL_DTYPE, SIGNAL_DTYPES, SIGNAL_LAYERS,
                                       SIGNAL_POOL, attended_deviation, deep_focus_price, position_weighted,

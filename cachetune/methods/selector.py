@@ -12,8 +12,8 @@ import torch
 
 from cachetune.methods.allocation import global_top, request_budget
 from cachetune.methods.base import Method, MethodContext, RankingSource
-from cachetune.methods.layout import PromptLayout
-from cachetune.methods.prefill import Prefill, Prefilled, pruned_prefill, selective_prefill
+from cachetune.runtime.layout import PromptLayout
+from cachetune.runtime.prefill import Prefill, Prefilled, pruned_prefill, selective_prefill
 from cachetune.model.adapter import ModelAdapter
 from cachetune.runtime.forward import FuseFn
 from cachetune.runtime.loading import Pipeline

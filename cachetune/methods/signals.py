@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from cachetune.config import DTYPES
-from cachetune.methods.layout import PromptLayout
-from cachetune.methods.prefill import Prefilled, reuse_plan
+from cachetune.runtime.layout import PromptLayout
+from cachetune.runtime.prefill import Prefilled, reuse_plan
 from cachetune.model.adapter import ModelAdapter, fast_bfloat16
 from cachetune.model.int8 import int8_supported
 from cachetune.runtime.attention import plan_blocks, sparse_causal_attention

@@ -33,7 +33,7 @@ from cachetune.engine.request import Request
 from cachetune.engine.selfcheck import ReuseRefusedError
 from cachetune.errors import RequestError
 from cachetune.methods import check_request_method, method_settings
-from cachetune.methods.layout import PromptLayout, Segment
+from cachetune.runtime.layout import PromptLayout, Segment
 from cachetune.runtime.decode import SamplingConfig
 from cachetune.server.found import DocumentIndex, Found
 from cachetune.server.http import ApiError, is_loopback

@@ -15,9 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from cachetune.engine.prompt import DEFAULT_SYSTEM
-from cachetune.eval.datasets import HELDOUT, SPLIT_SEED, QAExample, Split, load_dataset, split_examples  # noqa: F401
-
-TRAIN_SET = "hotpotqa"
+from cachetune.eval.datasets import HELDOUT, SPLIT_SEED, TRAIN_SET, QAExample, load_split, split_examples  # noqa: F401
 # System prompts drawn per training step (the paper samples them from a small pool); the first is the
 # one requests use by default, so serving sees a prompt training knows.
 SYSTEM_POOL = (
@@ -25,10 +23,6 @@ SYSTEM_POOL = (
     "Use the passages to answer the question. Reply with the answer only.",
     "Read the documents and answer the question briefly, with no explanation.",
 )
-
-
-def load_split(heldout: int = HELDOUT, seed: int = SPLIT_SEED) -> Split:
-    return split_examples(load_dataset(TRAIN_SET), heldout, seed)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from cachetune.config import QUALITY_FLOOR
 from cachetune.engine.calibration import CalibrationKey
 from cachetune.engine.engine import Engine
-from cachetune.methods.layout import PromptLayout
+from cachetune.runtime.layout import PromptLayout
 from cachetune.store.disk import DiskStore
 from cachetune.tuning.cost import mean_ttft, model_optimum
 from cachetune.tuning.profile import prompt_shape, profile_tier, synchronize

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from cachetune.config import EngineConfig
 from cachetune.engine.calibration import KINDS, PRICE, CalibrationKey
 from cachetune.engine.engine import Engine
-from cachetune.methods.layout import PromptLayout
+from cachetune.runtime.layout import PromptLayout
 from cachetune.methods.ranked import DEEP_DTYPE, DEEP_START_SHARE
 from cachetune.methods.signals import deep_focus_price
 from cachetune.tuning.calibrate import prefill_seconds

@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 from cachetune.chunks.ranking import top_share
 from cachetune.engine.engine import Engine
-from cachetune.methods.layout import PromptLayout
-from cachetune.methods.prefill import reuse_plan
+from cachetune.runtime.layout import PromptLayout
+from cachetune.runtime.prefill import reuse_plan
 from cachetune.runtime.forward import forward_active
 from cachetune.runtime.kv_cache import KVCache
 from cachetune.runtime.loading import LayerLoader, Pipeline

@@ -43,7 +43,7 @@ from cachetune.engine.engine import Engine
 from cachetune.eval.bench_batch import example_prompt
 from cachetune.eval.bench_pipeline import moved_layout
 from cachetune.eval.datasets import bundled_sample_path, load_dataset
-from cachetune.methods.prefill import selective_prefill
+from cachetune.runtime.prefill import selective_prefill
 from cachetune.runtime.loading import Pipeline
 from cachetune.store import blob
 from cachetune.store.blob import ModelShape

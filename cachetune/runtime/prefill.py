@@ -8,8 +8,8 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
-from cachetune.methods.layout import PromptLayout, Segment
-from cachetune.methods.prefix_cache import PrefixCache
+from cachetune.runtime.layout import PromptLayout, Segment
+from cachetune.runtime.prefix_cache import PrefixCache
 from cachetune.model.adapter import ModelAdapter
 from cachetune.runtime.decode import extend
 from cachetune.runtime.forward import AttentionFn, FuseFn, ObserveFn, forward_active, prompt_hidden_sink

@@ -8,7 +8,7 @@ process computes it again; a hybrid reuses the rankings of its parts.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -16,7 +16,29 @@ from cachetune.chunks.rankers import ChunkView, FusionRanker, Ranker, RankingCon
 from cachetune.chunks.ranking import rank_fusion, ranking_from_scores
 from cachetune.lru import LRUDict
 from cachetune.model.adapter import ModelAdapter
-from cachetune.store.base import ChunkStore, StoredChunk
+
+
+class ScoreStore(Protocol):
+    """Where computed scores are kept beside their chunk (a `cachetune.store.ChunkStore`)."""
+
+    def get_scores(self, chunk_id: str, ranker: str) -> torch.Tensor | None: ...
+
+    def put_scores(self, chunk_id: str, ranker: str, scores: torch.Tensor) -> None: ...
+
+
+class RankedChunk(Protocol):
+    """What ranking reads of a stored chunk (a `cachetune.store.StoredChunk`)."""
+
+    chunk_id: str
+    token_ids: torch.Tensor  # [N]
+    ranking: torch.Tensor    # [N] by the stored ranker
+    scores: torch.Tensor     # [N]
+    ranker: str
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def load_layer(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class ChunkRankings:
@@ -26,7 +48,7 @@ class ChunkRankings:
     prefixes that model-running rankers need (called at most once, on first need)."""
 
     def __init__(self, adapter: ModelAdapter, default: str, alpha: float, context: Callable[[], RankingContext],
-                 capacity: int = 4096, store: ChunkStore | None = None):
+                 capacity: int = 4096, store: ScoreStore | None = None):
         self.adapter = adapter
         self.store = store  # where computed scores are kept with their chunk (None: only in this process)
         self.default = default
@@ -50,7 +72,7 @@ class ChunkRankings:
             self._context = self._make_context()
         return self._context
 
-    def scores(self, chunk: StoredChunk, spec: str | None = None) -> torch.Tensor:
+    def scores(self, chunk: RankedChunk, spec: str | None = None) -> torch.Tensor:
         """The chunk's offline scores [N] by a named ranker: the stored ones when the chunk was cached
         with that ranker, otherwise computed once and kept.
 
@@ -82,7 +104,7 @@ class ChunkRankings:
             self.store.put_scores(chunk.chunk_id, ranker.name, scores)
         return scores
 
-    def ranking(self, chunk: StoredChunk, spec: str | None = None) -> torch.Tensor:
+    def ranking(self, chunk: RankedChunk, spec: str | None = None) -> torch.Tensor:
         """Local token indices, most worth recomputing first, by a named ranker (see `scores`)."""
         if chunk.ranker == self.ranker(spec).name:
             return chunk.ranking

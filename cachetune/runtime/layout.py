@@ -6,15 +6,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cachetune.store.base import StoredChunk
+from cachetune.runtime.loading import LayerSource
 
 
 @dataclass(frozen=True)
 class Segment:
-    """A span of the prompt: uncached text (chunk is None) or a cached chunk's tokens."""
+    """A span of the prompt: uncached text (chunk is None) or a cached chunk's tokens.
+
+    `chunk` is a stored chunk (`cachetune.store.StoredChunk`: its tokens, ranking and per-layer rows);
+    the runtime sees it only through what it reads, so this layer does not import the stores."""
 
     token_ids: torch.Tensor  # [n] int64
-    chunk: StoredChunk | None = None
+    chunk: LayerSource | None = None
 
     @property
     def cached(self) -> bool:
