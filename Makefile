@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: install
-	$(VENV)/bin/cachetune bench --limit 4 --threads 2 --json results/demo.json
+	$(VENV)/bin/cachetune demo --json results/demo.json
 
 test: install
 	$(PY) -m pytest -q
@@ -36,14 +36,14 @@ qwen: install
 
 bench: install
 	$(VENV)/bin/cachetune bench --data ../shared/data/musique/musique_s.json --limit 8 --threads 2 \
-		$(ISSUE4_SELECTION) --repeats 1 --json results/bench_smollm2_fp32.json
+		$(OFFLINE_RANKING_SELECTION) --repeats 1 --json results/bench_smollm2_fp32.json
 
-# Issue 11: the step loop with 1, 4, 8 and 16 concurrent requests on short (2WikiMQA, 2 documents,
+# The step loop with 1, 4, 8 and 16 concurrent requests on short (2WikiMQA, 2 documents,
 # about 1.4K tokens) and long (MuSiQue, 10 documents, about 6.2K tokens) prompts.
 bench-batch: install
 	$(VENV)/bin/cachetune bench-batch --threads 2 --json results/bench_batch_smollm2_fp32.json
 
-# Issue 13: the cache-loading ablation (paper Table 4) on every tier, 4 MuSiQue prompts each; a tier
+# The cache-loading ablation (paper Table 4) on every tier, 4 MuSiQue prompts each; a tier
 # whose JSON exists is skipped (delete it to rerun). The redis tier needs a server at REDIS_URL
 # (e.g. `redis-server --port 6379 --save ''`).
 REDIS_URL ?= redis://127.0.0.1:6379
@@ -54,14 +54,14 @@ bench-pipeline: install
 		--json results/smollm2/pipeline/$$tier.json || exit 1; done
 	$(VENV)/bin/cachetune bench-pipeline --combine results/smollm2/pipeline
 
-# Issue 15: fixed against calibrated recompute ratios per tier (paper Table 5, Figure 10): cpu, a real
+# Fixed against calibrated recompute ratios per tier (paper Table 5, Figure 10): cpu, a real
 # disk, throttled SSD and HDD, and a disk slower than the crossover; 3 MuSiQue prompts of 5 documents.
 # Resumable: a rerun starts after the tiers results/smollm2/calibration/bench.progress.jsonl holds.
 bench-calibrate: install
 	$(VENV)/bin/cachetune bench-calibrate --limit 3 --docs 5 --repeats 2 --threads 2 \
 		--json results/smollm2/calibration/bench.json
 
-# Issue 14: TTFT against Poisson request rate per method (paper Figure 4), against a server this
+# TTFT against Poisson request rate per method (paper Figure 4), against a server this
 # target starts on 127.0.0.1:8011 and stops; then Redis killed under load (scripts/redis_fault.py).
 SERVE_RATES ?= 0.05,0.1,0.2,0.4,0.6,0.8,1.2,1.6,2.0
 bench-serve: install
@@ -79,22 +79,23 @@ bench-qwen: qwen
 # Every method on MuSiQue and Multi-News (quality, fidelity, TTFT; JSON, tables, PNGs in results/smollm2).
 # Interrupted runs resume from results/*/*.progress.jsonl; add --fresh to start over.
 eval: install
-	$(VENV)/bin/cachetune eval --threads 2 --data musique --limit 8 --methods all $(ISSUE4_SELECTION) \
+	$(VENV)/bin/cachetune eval --threads 2 --data musique --limit 8 --methods all $(OFFLINE_RANKING_SELECTION) \
 		--json results/smollm2/eval_musique.json --plots results/smollm2
-	$(VENV)/bin/cachetune eval --threads 2 --data multi_news --limit 4 --methods all $(ISSUE4_SELECTION) \
+	$(VENV)/bin/cachetune eval --threads 2 --data multi_news --limit 4 --methods all $(OFFLINE_RANKING_SELECTION) \
 		--json results/smollm2/eval_multi_news.json --plots results/smollm2/multi_news
 
-# cachetune as issues 3-15 measured it: each chunk's top r by its offline ranking alone (the
-# default since issue 16 adds the question signal, and deep focus where it is cheap); the targets
-# whose committed results predate it (their progress files' run keys name no deep focus).
-ISSUE4_SELECTION := --allocation proportional --signal none --deep-within 0
+# cachetune as the speed, ranking, serving and C2KV tables measured it: each chunk's top r by its
+# offline ranking alone (the default now adds the question signal, and deep focus where it is cheap).
+# For the targets whose committed results predate that default (their progress files' run keys name no
+# deep focus), so that a rerun resumes them instead of measuring another selection.
+OFFLINE_RANKING_SELECTION := --allocation proportional --signal none --deep-within 0
 QWEN_METHODS := full_recompute,full_reuse,cachetune,cacheblend,epic,prophetkv,cacheslide,ape,random,cachetune:first
 eval-qwen: qwen
 	for d in musique 2wikimqa; do $(VENV)/bin/cachetune eval --model qwen2.5-coder-1.5b --dtype bfloat16 \
-		--threads 2 --data $$d --limit 30 --methods $(QWEN_METHODS) --ranking lf $(ISSUE4_SELECTION) \
+		--threads 2 --data $$d --limit 30 --methods $(QWEN_METHODS) --ranking lf $(OFFLINE_RANKING_SELECTION) \
 		--json results/qwen/eval_$$d.json --plots results/qwen/$$d || exit 1; done
 
-# Issue 4: offline rankers side by side (Recall@r of true drift with offline cost, fidelity and TTFT
+# Offline rankers side by side (Recall@r of true drift with offline cost, fidelity and TTFT
 # at four budgets next to the online methods, frozen rankings under new layouts).
 DRIFT_RANKERS := lf,lf_v0,highfreq,l2,random,first,probe,probe_head,probe:2,first+probe,probe+lf
 RANKED_METHODS := full_reuse,epic,cachetune:lf,cachetune:lf_v0,cachetune:first,cachetune:probe,cachetune:probe_head,cachetune:first+probe,random,cacheblend,prophetkv
@@ -103,21 +104,21 @@ rankers: install
 	$(VENV)/bin/cachetune analyze drift --threads 2 --limit 5 --rankers $(DRIFT_RANKERS) --ratios $(RATIOS) \
 		--out results/smollm2/rankers
 	for d in musique:5 multi_news:2; do $(VENV)/bin/cachetune eval --threads 2 --data $${d%:*} --limit $${d#*:} \
-		--ranking lf $(ISSUE4_SELECTION) --methods $(RANKED_METHODS) --ratios $(RATIOS) --json results/smollm2/rankers/eval_$${d%:*}.json \
+		--ranking lf $(OFFLINE_RANKING_SELECTION) --methods $(RANKED_METHODS) --ratios $(RATIOS) --json results/smollm2/rankers/eval_$${d%:*}.json \
 		--plots results/smollm2/rankers/$${d%:*} || exit 1; done
 	$(VENV)/bin/cachetune analyze robustness --threads 2 --limit 2 --rankers lf,probe,first+probe,first,random \
 		--out results/smollm2/rankers
 
-# The Qwen part: drift recall, then the new rankings added to the issue-3 MuSiQue run (only the
-# variants an example lacks are run; --ranking lf keeps plain `cachetune` the paper's ranking there).
+# The Qwen part: drift recall, then the new rankings beside `eval-qwen`'s methods on the first 7 MuSiQue
+# examples (--ranking lf keeps plain `cachetune` the paper's ranking there). Resumable.
 rankers-qwen: qwen
 	$(VENV)/bin/cachetune analyze drift --model qwen2.5-coder-1.5b --dtype bfloat16 --threads 2 --limit 2 \
 		--rankers lf,lf_v0,highfreq,random,first,probe,probe_head --ratios 0.05,0.1,0.3 --out results/qwen/rankers
 	$(VENV)/bin/cachetune eval --model qwen2.5-coder-1.5b --dtype bfloat16 --threads 2 --data musique \
-		--limit 30 --ranking lf $(ISSUE4_SELECTION) --methods $(QWEN_METHODS),cachetune:probe,cachetune:probe_head,cachetune:first+probe \
-		--json results/qwen/eval_musique.json --plots results/qwen/musique
+		--limit 7 --ranking lf $(OFFLINE_RANKING_SELECTION) --methods $(QWEN_METHODS),cachetune:probe,cachetune:probe_head,cachetune:first+probe \
+		--json results/qwen/rankers/eval_musique.json --plots results/qwen/rankers/musique
 
-# Issue 16: KL and F1 against TTFT across r in {0.05, 0.1, 0.15, 0.2, 0.3}, every method, short-chunk
+# KL and F1 against TTFT across r in {0.05, 0.1, 0.15, 0.2, 0.3}, every method, short-chunk
 # (held-out HotpotQA) and long-chunk (MuSiQue, 2WikiMQA) sets; resumable, examples added in passes.
 frontier: install
 	scripts/frontier.sh smollm2
@@ -148,7 +149,7 @@ analyze-qwen: qwen
 	$(VENV)/bin/cachetune analyze drift --model qwen2.5-coder-1.5b --dtype bfloat16 --threads 2 \
 		--data musique --limit 10 --out results/qwen/analysis
 
-# Issue 12: the bundled C2KV extractor for SmolLM2-135M: anchored C2Tokens (each starts as its block's
+# The bundled C2KV extractor for SmolLM2-135M: anchored C2Tokens (each starts as its block's
 # last token), LoRA 16, 40 steps of 4 HotpotQA training examples distilling the full-context model over
 # the question and answer plus 0.01 x the answer cross-entropy (bfloat16 on AMX, about 15 min on 2 idle
 # cores). Re-running resumes from $(C2KV_RUN); the export ships it.
@@ -160,13 +161,15 @@ c2kv: install
 	$(VENV)/bin/cachetune c2kv export $(C2KV_RUN)/weights.safetensors cachetune/c2kv/weights/smollm2-135m.safetensors
 
 # The extractor as the paper builds it (EOS-initialised C2Tokens, full-rank copies), distilled the same
-# way for 160 steps (about 55 min): shipped as `c2kv:paper`.
+# way for 160 steps (about 55 min): served as `c2kv:paper`. It only reproduces the paper's variant, so
+# it is not shipped in the package: the export writes it to the user's weights folder, where the method
+# finds it (c2kv.bank.built_dir(): $CACHETUNE_WEIGHTS_DIR, else ~/.cache/cachetune/weights).
 C2KV_PAPER_TRAIN := --steps 160 --accumulate 4 --lr 1e-4 --warmup 10 --loss kd --kd-span tail --eval-every 40 \
 	--eval-examples 8 --dtype bfloat16 --threads 2
 c2kv-paper: install
 	$(VENV)/bin/cachetune c2kv train --out runs/c2kv-kdtail $(C2KV_PAPER_TRAIN) --max-minutes 110
-	$(VENV)/bin/cachetune c2kv export runs/c2kv-kdtail/weights.safetensors \
-		cachetune/c2kv/weights/paper/smollm2-135m.safetensors
+	dst=$$($(PY) -c "from cachetune.c2kv.bank import built_dir; print(built_dir() / 'paper')") && \
+		$(VENV)/bin/cachetune c2kv export runs/c2kv-kdtail/weights.safetensors "$$dst/smollm2-135m.safetensors"
 
 # The paper's loss (answer cross-entropy) on the same data, for comparison (not shipped).
 c2kv-ce: install
@@ -203,9 +206,9 @@ block-attention: install
 # (with shuffled documents), MuSiQue and 2WikiMQA. Resumable (results/smollm2/c2kv/*.progress.jsonl).
 C2KV_OUT := results/smollm2/c2kv
 eval-c2kv: install
-	$(VENV)/bin/cachetune c2kv eval --threads 2 --data heldout --limit 12 --composition $(ISSUE4_SELECTION) \
+	$(VENV)/bin/cachetune c2kv eval --threads 2 --data heldout --limit 12 --composition $(OFFLINE_RANKING_SELECTION) \
 		--json $(C2KV_OUT)/eval_heldout.json --plots $(C2KV_OUT)/heldout
-	for d in musique 2wikimqa; do $(VENV)/bin/cachetune c2kv eval --threads 2 --data $$d --limit 4 $(ISSUE4_SELECTION) \
+	for d in musique 2wikimqa; do $(VENV)/bin/cachetune c2kv eval --threads 2 --data $$d --limit 4 $(OFFLINE_RANKING_SELECTION) \
 		--json $(C2KV_OUT)/eval_$$d.json --plots $(C2KV_OUT)/$$d || exit 1; done
 
 clean:

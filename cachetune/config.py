@@ -27,8 +27,8 @@ DISK_TIER_BYTES = 32 * GiB   # a disk tier's budget when none is given
 TIER_ORDER = ("gpu", "cpu", "disk", "redis")  # tier kinds, fastest first
 # How cachetune shares a request's recompute budget among chunks (methods.allocation), and the
 # online signals that may pick tokens within it (methods.signals).
-ALLOCATIONS = ("proportional", "equal", "starts", "spread", "focus", "global")
-SIGNALS = ("none", "question", "deviation", "attended")
+ALLOCATIONS = ("proportional", "spread", "focus")
+SIGNALS = ("none", "question")
 QUALITY_FLOOR = 0.15  # the paper's r: the recompute share that keeps quality, and calibration's r_min
 # Reference media a tier can be paced to (`disk@hdd`): (bytes per second, seconds per read).
 MEDIA = {

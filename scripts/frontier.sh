@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 16: KL and F1 against TTFT across r for every method, per model and set (resumable).
+# KL and F1 against TTFT across r for every method, per model and set (resumable).
 # Examples are added in passes (10, 25, 50, 100 per set), so an interrupted run has every set
 # covered to the same depth; each pass resumes from the progress files and rewrites the reports.
 # The whole sweep of ratios runs on each set's first SWEEP examples; past them, only r = 0.15 (the

@@ -2,16 +2,16 @@
 # The CUDA check, run on a lent GPU machine through the device tool (CI never has a GPU).
 # The machine has torch but not our pins and cannot download, so the model and data travel in pieces
 # (at most 64 MiB per call with the working tree): `make gpu-pieces` here cuts them into .gpu/ and the
-# wheels into .whl/. A call's tree must stay small: move the trained weights (cachetune/c2kv/weights,
-# checkpoints/) and results/smollm2 aside for the two calls (`git checkout` brings them back).
+# wheels into .whl/. A call's tree must stay small: move the trained weights (cachetune/c2kv/weights)
+# and results/smollm2 aside for the two calls (`git checkout` brings them back).
 #   step 1 (carry .whl .gpu/a .gpu/data.tar.gz): the data unpacked; the tiny-model exactness suites
 #           with the engine on the GPU.
-#   step 2 (carry .gpu/b, machine still warm): SmolLM2 reassembled; issue 16's bar methods at r = 0.15
+#   step 2 (carry .gpu/b, machine still warm): SmolLM2 reassembled; the selection bar methods at r = 0.15
 #           on the three QA sets with the engine on the GPU (float32, as the CPU frontier, so KL can be
 #           compared example by example), each set for at most SET_SECONDS; REAL=1 adds the real-model
 #           tests. The reports come back as $OUT/gpu_selection.tar.gz. VARIANTS=FILE instead compares
-#           that file's selections by KL alone (scripts/selection_kl.py, no answers decoded) on each
-#           set's rows SKIP..LIMIT, into $OUT/kl_<set>.jsonl.
+#           that file's selections by KL alone (experiments/selection/selection_kl.py,
+#           no answers decoded) on each set's rows SKIP..LIMIT, into $OUT/kl_<set>.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_out}
@@ -39,7 +39,7 @@ case "${1:-}" in
     source scripts/selection_methods.sh
     for set in ${SETS:-hotpotqa_heldout musique 2wikimqa}; do
         if [ -n "${VARIANTS:-}" ]; then
-            timeout "${SET_SECONDS:-130}" python3 scripts/selection_kl.py --data "$set" --limit "${LIMIT:-100}" \
+            timeout "${SET_SECONDS:-130}" python3 experiments/selection/selection_kl.py --data "$set" --limit "${LIMIT:-100}" \
                 --skip "${SKIP:-0}" --variants "$VARIANTS" --out "$OUT/kl_$set.jsonl" 2>&1 | tr '\r' '\n' \
                 | grep -v "it/s\]$" | tail -3 | tee -a "$OUT/kl.log"
             continue

@@ -1,21 +1,18 @@
-# Issue 16's methods, named in full so that a later change of the defaults does not change what a
+# The selection methods, named in full so that a later change of the defaults does not change what a
 # resumed run measures (sourced by scripts/frontier.sh and scripts/gpu_check.sh).
-# FIRST: issue 4's default, each chunk's first r. DEFAULT: issue 16's first default (`spread`), chunk
-# starts, then up to 4 tokens per chunk where the question attends in the first 4 layers. The
-# candidates measured to replace it: CANDIDATE, the same over 6 layers; STARTS, its chunk starts alone,
-# without the question's pass; FOCUS (sixteenth session), the rest shared among chunks by the
-# question's attention mass, the engine's default since the eighteenth session. Its start share is
-# 0.8 since the seventeenth (0.75 cost 1.10x `first`'s TTFT on SmolLM2 MuSiQue rows 100-119; the 0.75
-# rows stay in the progress files under their own name).
+# FIRST: the first default, each chunk's first r. DEFAULT: the first default with the question's
+# signal (`spread`), chunk starts, then up to 4 tokens per chunk where the question attends in the first
+# 4 layers. The candidates measured to replace it: CANDIDATE, the same over 6 layers; STARTS, its chunk
+# starts alone, without the question's pass; FOCUS, the rest shared among chunks by the question's
+# attention mass, the engine's shallow selection now. Its start share is 0.8 (0.75 cost 1.10x
+# `first`'s TTFT on SmolLM2 MuSiQue rows 100-119; the 0.75 rows stay in the progress files under their
+# own name).
 FIRST=cachetune:first:allocation=proportional:signal=none
 DEFAULT=cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=4:signal_tokens=4
 CANDIDATE=cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_layers=6:signal_tokens=4
 STARTS=cachetune:first:allocation=spread:start_share=0.75:signal=none
 FOCUS=cachetune:first:allocation=focus:start_share=0.8:signal=question:signal_layers=4:signal_tokens=4
-# DRIFT (twenty-fifth session): half the budget on chunk starts, the rest the tokens whose layer-1
-# values drift most in context (CacheBlend's deviation), the pass run in bfloat16 on cast layers.
-DRIFT=cachetune:first:allocation=starts:start_share=0.5:signal=deviation:signal_dtype=bfloat16
-# D28 (twenty-sixth session on): deep focus, the question read over all 28 of Qwen2.5-1.5B's layers in
+# D28: deep focus, the question read over all 28 of Qwen2.5-1.5B's layers in
 # bfloat16, focus's shape at start share 0.5 with no cap per chunk (what `deep_within` runs on Qwen).
 D28=cachetune:first:allocation=focus:start_share=0.5:signal=question:signal_layers=28:signal_tokens=none:signal_dtype=bfloat16
 # The methods the first bar orders, and the reference points beside them.

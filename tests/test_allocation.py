@@ -6,6 +6,7 @@ import torch
 from cachetune.methods.allocation import (
     allocate,
     equal_quotas,
+    global_top,
     proportional_quotas,
     request_budget,
     starts,
@@ -52,21 +53,13 @@ def test_every_allocation_spends_exactly_the_request_budget():
     offline = positions(lengths)
     online = [torch.rand(n, generator=torch.Generator().manual_seed(n)) for n in lengths]
     budget = request_budget(lengths, 0.15)
-    for allocation in ("proportional", "equal", "starts"):
+    for allocation in ("proportional", "spread"):
         assert total(allocate(offline, 0.15, allocation)) == budget
-    for allocation in ("proportional", "equal", "starts", "spread", "focus", "global"):
+    for allocation in ("proportional", "spread", "focus"):
         picked = allocate(online, 0.15, allocation, comparable=True)
         assert total(picked) == budget
         for s, n in zip(picked, lengths):
             assert torch.equal(s, torch.unique(s)) and (s.numel() == 0 or (s[0] >= 0 and s[-1] < n))
-
-
-def test_starts_take_every_chunk_start_then_the_best_scores_anywhere():
-    scores = [torch.zeros(40), torch.zeros(40)]
-    scores[1][30] = 5.0  # the one token an online signal singles out, deep in the second chunk
-    picked = allocate(scores, 9 / 80, "starts", comparable=True, start_share=8 / 9)  # 8 of 9 on starts
-    assert picked[0].tolist() == [0, 1, 2, 3]
-    assert picked[1].tolist() == [0, 1, 2, 3, 30]
 
 
 def test_starts_are_the_same_first_tokens_of_every_chunk():
@@ -77,7 +70,7 @@ def test_starts_are_the_same_first_tokens_of_every_chunk():
 def test_starts_follow_the_offline_ranking_and_the_signal_takes_the_rest():
     ranked = [torch.tensor([0.0, 5.0, 1.0, 0.0]), torch.tensor([3.0, 0.0, 0.0, 9.0])]
     online = [torch.tensor([9.0, 0.0, 0.0, 0.0]), torch.tensor([0.0, 0.0, 0.1, 0.0])]
-    picked = allocate(online, 0.5, "starts", comparable=True, start_share=0.5, ranked=ranked)
+    picked = allocate(online, 0.5, "spread", comparable=True, start_share=0.5, ranked=ranked)
     # budget 4: two on starts (each chunk's top-ranked token: 1 and 3), two by the signal (0 and 2)
     assert [s.tolist() for s in picked] == [[0, 1], [2, 3]]
 
@@ -87,17 +80,19 @@ def test_proportional_on_first_is_the_first_tokens_of_each_chunk():
     assert picked[0].tolist() == list(range(25)) and picked[1].tolist() == list(range(5))
 
 
-def test_global_needs_comparable_scores():
+def test_focus_needs_comparable_scores_and_rejected_allocations_are_unknown():
     with pytest.raises(ValueError, match="compare across chunks"):
-        allocate(positions([10, 10]), 0.5, "global")
-    with pytest.raises(ValueError, match="unknown allocation"):
-        allocate(positions([10]), 0.5, "sideways")
+        allocate(positions([10, 10]), 0.5, "focus")
+    for gone in ("sideways", "equal", "starts", "global"):
+        with pytest.raises(ValueError, match="unknown allocation"):
+            allocate(positions([10]), 0.5, gone)
 
 
-def test_global_takes_the_top_of_the_whole_context():
+def test_global_top_takes_the_top_of_the_whole_context_after_what_is_taken():
     scores = [torch.tensor([0.1, 0.9, 0.2]), torch.tensor([0.8, 0.05, 0.7])]
-    picked = allocate(scores, 0.5, "global", comparable=True)
-    assert [s.tolist() for s in picked] == [[1], [0, 2]]
+    assert [s.tolist() for s in global_top(scores, 3)] == [[1], [0, 2]]
+    taken = [torch.tensor([1]), torch.empty(0, dtype=torch.int64)]
+    assert [s.tolist() for s in global_top(scores, 2, taken=taken)] == [[1], [0, 2]]
 
 
 def test_spread_keeps_the_signal_inside_each_chunk_in_proportion_to_its_length():

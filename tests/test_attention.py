@@ -1,11 +1,16 @@
-"""sparse_causal_attention must equal plain dense causal attention, whatever subset of queries it gets."""
+"""sparse_causal_attention must equal plain dense causal attention, whatever subset of queries it gets.
+
+plan_blocks (the per-prompt plan the layers share) must cover every query once, in order, with
+unmasked blocks only over consecutive positions; how it groups queries is checked on constructed
+inputs whose grouping its docstring promises.
+"""
 
 import random
 
 import pytest
 import torch
 
-from cachetune.runtime.attention import MERGE_CELLS, MIN_RUN, QUERY_BLOCK, _blocks, _dense_masked, sparse_causal_attention
+from cachetune.runtime.attention import MIN_RUN, QUERY_BLOCK, plan_blocks, sparse_causal_attention
 
 HKV = 2
 D = 16
@@ -85,16 +90,32 @@ def test_full_prefill_spans_several_blocks_and_matches_reference() -> None:
     assert_matches_reference(q, k, v, torch.arange(n))
 
 
+def blocks(pos):
+    """plan_blocks as (start, stop, contiguous) triples: contiguous blocks are the ones without a mask."""
+    plan = plan_blocks(torch.tensor(pos, dtype=torch.int64), 2, torch.float32)
+    return [(b.start, b.stop, b.mask is None) for b in plan]
+
+
 def test_mixed_positions_exercise_both_block_kinds() -> None:
     # Guard for the test above: the mixed pattern must produce contiguous and grouped blocks.
-    flags = {contiguous for _, _, contiguous in _blocks(mixed_positions().tolist())}
+    flags = {contiguous for _, _, contiguous in blocks(mixed_positions().tolist())}
     assert flags == {True, False}
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_a_plan_passed_in_gives_the_same_attention(group) -> None:
+    # The forward builds one plan per prompt and hands it to every layer.
+    q, k, v = make_qkv(700, group, seed=9)
+    pos = mixed_positions()
+    plan = plan_blocks(pos, group, q.dtype)
+    out = sparse_causal_attention(q[pos], k, v, pos, SCALE, plan=plan)
+    torch.testing.assert_close(out.double(), reference_attention(q[pos], k, v, pos, SCALE), atol=1e-5, rtol=0)
 
 
 def test_many_short_runs_are_grouped_into_several_blocks_and_match_reference() -> None:
     # Runs of 3 every 5 positions: all short, so they are grouped; > QUERY_BLOCK of them -> several groups.
     pos = torch.tensor([p for start in range(0, 1000, 5) for p in range(start, start + 3)])
-    assert len(_blocks(pos.tolist())) > 1
+    assert len(blocks(pos.tolist())) > 1
     q, k, v = make_qkv(1000, 2, seed=2)
     assert_matches_reference(q, k, v, pos)
 
@@ -140,13 +161,18 @@ def test_sliding_window_not_smaller_than_sequence_equals_plain_causal(window) ->
 
 
 @pytest.mark.parametrize("group", [1, 3])
-def test_dense_masked_path_matches_reference(group) -> None:
-    # The path used on non-CPU devices, checked here on CPU.
+@pytest.mark.parametrize("window", [None, 50])
+def test_attention_on_an_accelerator_matches_reference(group, window) -> None:
+    # Off the CPU every query set takes one masked kernel call; on the CPU a window shorter than the
+    # keys does (window 50 above covers that path on the CPU).
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
     q, k, v = make_qkv(500, group, seed=7)
     pos = scattered_positions(500, 0.3, seed=1)
-    for window in (None, 50):
-        out = _dense_masked(q[pos], k, v, pos, SCALE, window)
-        torch.testing.assert_close(out.double(), reference_attention(q[pos], k, v, pos, SCALE, window), atol=1e-5, rtol=0)
+    out = sparse_causal_attention(q[pos].cuda(), k.cuda(), v.cuda(), pos.cuda(), SCALE, sliding_window=window)
+    assert out.device.type == "cuda"
+    ref = reference_attention(q[pos], k, v, pos, SCALE, window)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=1e-4, rtol=0)
 
 
 # --- bfloat16 -----------------------------------------------------------------------------------------
@@ -162,7 +188,7 @@ def test_bfloat16_matches_reference_within_loose_tolerance(kind) -> None:
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=2e-2)
 
 
-# --- _blocks --------------------------------------------------------------------------------------------
+# --- plan_blocks --------------------------------------------------------------------------------------------
 
 
 def random_run_positions(seed):
@@ -176,9 +202,8 @@ def random_run_positions(seed):
 
 
 def assert_blocks_partition(pos):
-    blocks = _blocks(pos)
     expected_start = 0
-    for start, stop, contiguous in blocks:
+    for start, stop, contiguous in blocks(pos):
         assert start == expected_start, "blocks must be in order with no gap or overlap"
         assert stop > start, "no empty blocks"
         if contiguous:
@@ -190,6 +215,13 @@ def assert_blocks_partition(pos):
 @pytest.mark.parametrize("seed", range(20))
 def test_blocks_cover_every_query_exactly_once_in_order_and_contiguous_flags_are_true(seed) -> None:
     assert_blocks_partition(random_run_positions(seed))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_runs_and_gaps_match_reference(seed) -> None:
+    pos = random_run_positions(seed)
+    q, k, v = make_qkv(pos[-1] + 1, 2, seed=seed)
+    assert_matches_reference(q, k, v, torch.tensor(pos))
 
 
 @pytest.mark.parametrize(
@@ -209,20 +241,19 @@ def test_blocks_partition_on_typical_patterns(pos) -> None:
 
 
 def test_blocks_of_no_queries_is_empty() -> None:
-    assert _blocks([]) == []
+    assert blocks([]) == []
 
 
 def test_blocks_long_run_is_one_contiguous_block() -> None:
     pos = list(range(10, 10 + 3 * QUERY_BLOCK))
-    assert _blocks(pos) == [(0, len(pos), True)]
+    assert blocks(pos) == [(0, len(pos), True)]
 
 
 def test_blocks_flag_long_runs_between_scattered_tokens_as_contiguous() -> None:
     # A run longer than a scattered block may hold never joins one; a causal block takes no followers.
     run = list(range(100, 100 + 2 * QUERY_BLOCK))
     pos = [1, 5, 9] + run + [400, 410]
-    blocks = _blocks(pos)
-    assert (3, 3 + len(run), True) in blocks
+    assert (3, 3 + len(run), True) in blocks(pos)
     assert_blocks_partition(pos)
 
 
@@ -230,7 +261,7 @@ def test_short_runs_far_apart_are_not_grouped_and_still_match_reference() -> Non
     # A system prompt and a question with 6K reused positions between them (a question pass): two
     # blocks, so no query attends over the context through the masked kernel.
     pos = list(range(0, 20)) + list(range(6000, 6018))
-    assert _blocks(pos) == [(0, 20, False), (20, 38, False)]
+    assert blocks(pos) == [(0, 20, False), (20, 38, False)]
     q, k, v = make_qkv(pos[-1] + 1, 3)
     assert_matches_reference(q, k, v, torch.tensor(pos))
 
@@ -243,8 +274,7 @@ def test_a_few_scattered_queries_ride_with_the_next_run_and_match_reference() ->
     picks = [200, 310, 420, 480]
     next_run = list(range(500, 590))
     pos = first_run + picks + next_run
-    assert 4 * (589 - 480) + 90 * 89 // 2 <= MERGE_CELLS
-    assert _blocks(pos) == [(0, 90, True), (90, 184, False)]
+    assert blocks(pos) == [(0, 90, True), (90, 184, False)]
     q, k, v = make_qkv(pos[-1] + 1, 3)
     assert_matches_reference(q, k, v, torch.tensor(pos))
 
@@ -253,5 +283,6 @@ def test_a_run_too_costly_to_join_opens_its_own_causal_block() -> None:
     # Forty picks 300 positions before a run: joining would add 40 * 300+ masked products.
     picks = list(range(0, 400, 10))
     run = list(range(700, 700 + MIN_RUN))
-    assert 40 * (700 + MIN_RUN - 1 - 390) > MERGE_CELLS
-    assert _blocks(picks + run) == [(0, 40, False), (40, 40 + MIN_RUN, True)]
+    assert blocks(picks + run) == [(0, 40, False), (40, 40 + MIN_RUN, True)]
+    q, k, v = make_qkv(run[-1] + 1, 2, seed=10)
+    assert_matches_reference(q, k, v, torch.tensor(picks + run))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import time
 
 import httpx
 import pytest
@@ -150,18 +151,6 @@ def _report() -> dict:
     }
 
 
-def test_format_table_has_a_row_per_method_and_rate_and_the_summary():
-    text = format_table(_report())
-    lines = text.splitlines()
-    assert "SLO p90 TTFT <= 2000 ms" in lines[0]
-    assert "| full_recompute | 1 | 4 | 4 | 0 | 0 | 9000 | 180 | 12000 | 400 | 12.5 | 0.48 | 0.90 | no |" in lines
-    assert "| cachetune | 0.5 | 4 | 4 | 0 | 0 | 120 | 180 | 199 | 400 | 12.5 | 0.48 | 0.90 | yes |" in lines
-    assert sum(line.startswith("| cachetune |") for line in lines) == 3  # two rates + the summary
-    assert "| cachetune | 1 | 2.00x |  |" in lines
-    assert "| full_recompute | 0.5 | 1.00x | 2 |" in lines
-    assert "| c2kv | 0 | - | warm-up request refused: HTTP 400: no extractor |" in lines
-
-
 def test_write_report_writes_json_markdown_and_png(tmp_path):
     paths = write_report(_report(), tmp_path / "out")
     assert [p.name for p in paths] == ["bench_serve.json", "bench_serve.md", "ttft_vs_rate.png"]
@@ -268,27 +257,41 @@ async def _timed(transport: httpx.MockTransport) -> Sample:
     return sample
 
 
-def _streamed(*parts: tuple[float, dict]) -> httpx.MockTransport:
-    """A server that sends each chunk after its delay (s)."""
+class Clock:
+    """A stand-in for time.perf_counter that moves only when the fake server says time has passed."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _streamed(clock: Clock, *parts: tuple[float, dict]) -> httpx.MockTransport:
+    """A server that sends each chunk `delay` seconds (of `clock`) after the one before."""
     async def body():
         for delay, chunk in parts:
-            await asyncio.sleep(delay)
+            clock.now += delay
             yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
     return httpx.MockTransport(lambda request: httpx.Response(200, content=body()))
 
 
-def test_ttft_is_the_first_chunk_with_content_not_the_role_chunk():
+def test_ttft_is_the_first_chunk_with_content_not_the_role_chunk(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(time, "perf_counter", clock)
     role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
-    sample = asyncio.run(_timed(_streamed((0.0, role), (0.15, _chunk("Hi")), (0.15, _chunk(usage={"completion_tokens": 1})))))
-    assert sample.status == "ok" and 150 <= sample.ttft_ms < sample.latency_ms and sample.latency_ms >= 300
-    assert sample.completion_tokens == 1
-    empty = asyncio.run(_timed(_streamed((0.1, role), (0.2, _chunk(usage={"completion_tokens": 0})))))
-    assert empty.status == "ok" and 100 <= empty.ttft_ms < 250  # empty answer: the first chunk at all
+    sample = asyncio.run(_timed(_streamed(clock, (0.0, role), (0.15, _chunk("Hi")),
+                                          (0.15, _chunk(usage={"completion_tokens": 1})))))
+    assert sample.status == "ok" and sample.completion_tokens == 1
+    assert sample.ttft_ms == pytest.approx(150) and sample.latency_ms == pytest.approx(300)
+    empty = asyncio.run(_timed(_streamed(clock, (0.1, role), (0.2, _chunk(usage={"completion_tokens": 0})))))
+    assert empty.status == "ok"  # an empty answer: TTFT is the first chunk at all
+    assert empty.ttft_ms == pytest.approx(100) and empty.latency_ms == pytest.approx(300)
 
 
 def test_a_stream_error_and_a_dropped_connection_are_failures():
-    failed = asyncio.run(_timed(_streamed((0.0, {"error": {"message": "out of memory"}}))))
+    failed = asyncio.run(_timed(_streamed(Clock(), (0.0, {"error": {"message": "out of memory"}}))))
     assert failed.status == "failed" and "out of memory" in failed.error
 
     def drop(request):
@@ -308,4 +311,5 @@ def test_requests_still_out_after_the_time_limit_are_cancelled_and_later_ones_ne
 
     samples, wall = asyncio.run(go())
     assert [s.status for s in samples] == ["cancelled", "cancelled", "unsent"]
-    assert 0.3 <= wall < 2.0
+    assert wall >= 0.3  # the limit, and not the third arrival (5 s) nor the hanging answers (30 s)
+    assert wall < 5.0

@@ -327,18 +327,52 @@ def test_a_trained_file_serves_under_its_own_variant(tmp_path):
     assert not torch.allclose(a, b)
 
 
-def test_unknown_extractors_and_a_missing_bundled_one_are_clear_errors(tmp_path):
+def test_unknown_extractors_and_a_missing_bundled_one_are_clear_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("CACHETUNE_WEIGHTS_DIR", str(tmp_path / "weights"))
     engine = tiny_engine(threads=None)
     cid = engine.cache_chunk(words(12, 91))
     layout = engine.build_prompt([cid], words(4, 4))
     with pytest.raises(ExtractorError, match="no bundled c2kv weights"):
         engine.prefill(layout, "c2kv")
-    with pytest.raises(ExtractorError, match="no paper c2kv weights"):
+    with pytest.raises(ExtractorError, match="no paper c2kv weights .*`make c2kv-paper` builds them"):
         engine.prefill(layout, "c2kv:paper")
     with pytest.raises(ExtractorError, match="not a shipped name"):
         engine.prefill(layout, f"c2kv:{tmp_path / 'missing.safetensors'}")
     with pytest.raises(ValueError, match="one row per 4 tokens"):
         engine.prefill(layout, make_method("c2kv:step0", block=8))
+
+
+def test_the_paper_extractor_is_built_not_shipped_and_a_server_without_it_answers_400_naming_the_target(
+        tmp_path, monkeypatch):
+    """c2kv:paper only reproduces the paper's variant (33 MB): the package does not ship it, `make
+    c2kv-paper` builds it into the user's weights folder (c2kv.bank.built_dir()), where the bank finds
+    it. Without the file the method says how to build it, and the server refuses the request (400)."""
+    import httpx
+
+    from cachetune.c2kv.bank import BUNDLED_DIR, built_dir
+    from cachetune.config import ServerConfig
+    from cachetune.server.app import build_app
+    from cachetune.server.http import BackgroundServer
+
+    assert not (BUNDLED_DIR / "paper").exists()  # not in the package (nor in the wheel)
+    monkeypatch.delenv("CACHETUNE_WEIGHTS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert built_dir() == tmp_path / "cache" / "cachetune" / "weights"
+    monkeypatch.setenv("CACHETUNE_WEIGHTS_DIR", str(tmp_path / "weights"))
+    assert built_dir() == tmp_path / "weights"
+    engine = tiny_engine(threads=None)
+    why = engine.method("c2kv:paper").unavailable(engine.context)
+    assert "make c2kv-paper" in why and str(tmp_path / "weights" / "paper") in why
+    with BackgroundServer(build_app(engine, ServerConfig())) as url:
+        r = httpx.post(f"{url}/v1/completions", timeout=60,
+                       json={"prompt": words(6, 2), "max_tokens": 2, "method": "c2kv:paper"})
+    assert r.status_code == 400, r.text
+    assert "make c2kv-paper" in r.json()["error"]["message"]
+    # A file the target writes there is what c2kv:paper serves (here the tiny model's own extractor).
+    trained = _perturbed_extractor(engine.adapter)
+    trained.base_identity = engine.extractors.base_identity
+    trained.save(tmp_path / "weights" / "paper" / "tiny.safetensors")
+    assert engine.method("c2kv:paper").unavailable(engine.context) is None
 
 
 def test_an_extractor_names_its_base_model_the_same_in_float32_and_bfloat16():

@@ -15,7 +15,7 @@ import torch
 from conftest import rand_ids, tiny_engine
 from cachetune.config import EngineConfig, TierSpec, parse_medium, parse_tiers
 from cachetune.engine.calibration import AUTO, PRICE, CalibrationFile, CalibrationKey
-from cachetune.methods.ranked import DEEP_DTYPE
+from cachetune.methods.cachetune import DEEP_DTYPE
 from cachetune.methods.signals import PRICE_SCALE, deep_focus_price
 from cachetune.runtime.prefill import reuse_plan
 from cachetune.store.memory import MemoryStore
@@ -245,6 +245,14 @@ def test_auto_is_the_floor_without_a_calibration_and_the_calibrated_ratio_with_o
     other.store(CalibrationKey(engine.fingerprint, "cuda:Some GPU", "float32", "cpu"), {"ratio": 0.9})
     engine2 = tiny_engine(tiers="cpu", calibration=str(tmp_path / "d.json"))
     assert engine2.auto_ratio(_prompt(engine2)) == EngineConfig.min_ratio
+
+
+def test_a_request_without_a_ratio_gets_auto_only_where_a_tier_is_calibrated(tmp_path):
+    engine = tiny_engine(tiers="cpu", calibration=str(tmp_path / "c.json"))
+    assert engine.request_ratio(None) is None and engine.request_ratio(0.3) == 0.3
+    engine.calibration.store(engine.calibration_key("cpu"), {"ratio": 0.45})
+    assert engine.request_ratio(None) == AUTO and engine.request_ratio(0.3) == 0.3
+    assert engine.request_ratio(None, auto_by_default=False) is None  # a server with auto_ratio off
 
 
 def test_auto_takes_the_slowest_tier_a_request_reads_from(tmp_path):

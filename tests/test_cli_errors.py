@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cachetune.cli import _datasets, build_parser, main
+from cachetune.cli import build_parser, main
+from cachetune.cli.common import datasets as cli_datasets
 from cachetune.eval.datasets import bundled_sample_path, load_dataset
 
 
@@ -106,19 +107,19 @@ def test_data_files_with_the_same_stem_keep_distinct_stable_names(tmp_path: Path
     a = _copy_sample(tmp_path / "a" / "musique.json", 1)
     b = _copy_sample(tmp_path / "b" / "musique.json", 2)
     args = build_parser().parse_args(["eval", "--data", f"{a},{b}", "--data", str(a)])
-    datasets = _datasets(args, "unused")
+    datasets = cli_datasets(args, "unused")
     assert list(datasets) == ["musique", "b/musique", "a/musique"]
     assert [len(exs) for exs in datasets.values()] == [1, 2, 1]
     assert datasets["b/musique"] == load_dataset(str(b))
     # The same names on every run (resumed progress is keyed by them).
-    assert list(_datasets(args, "unused")) == list(datasets)
+    assert list(cli_datasets(args, "unused")) == list(datasets)
 
 
 def test_a_file_given_twice_from_the_same_folder_is_numbered(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     _copy_sample(tmp_path / "musique.json", 1)
     args = build_parser().parse_args(["eval", "--data", "musique.json,musique.json"])
-    assert list(_datasets(args, "unused")) == ["musique", "musique#2"]
+    assert list(cli_datasets(args, "unused")) == ["musique", "musique#2"]
 
 
 # --- eval progress (resume after a crash) ---------------------------------------------------------

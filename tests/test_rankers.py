@@ -9,7 +9,7 @@ from cachetune.chunks.encode import encode_chunk
 from cachetune.chunks.kv import encode_kv
 from cachetune.chunks.probes import PROBE_PASSAGES, ProbeBank
 from cachetune.chunks.rankers import ChunkView, ProbeRanker, RankingContext, get_ranker, rank_tokens
-from cachetune.chunks.ranking import kv_drift, lf_scores, low_frequency, rank_fusion, ranking_from_scores, top_share
+from cachetune.chunks.ranking import kv_drift, lf_scores, rank_fusion, ranking_from_scores, top_share
 from cachetune.runtime.layout import PromptLayout, Segment
 from cachetune.config import EngineConfig
 from cachetune.methods import SelectionRequest, is_method, make_method
@@ -71,31 +71,35 @@ def test_probe_scores_are_the_drift_from_alone_to_after_the_probe_averaged_over_
         get_ranker("probe").scores(_view(adapter, chunk))
 
 
-def test_lf_v0_is_the_low_pass_of_layer0_values_with_a_bos_row_and_a_global_budget(llama):
+def test_lf_v0_reads_layer0_values_alone_sees_a_bos_row_and_budgets_globally(llama):
+    """The prototype's reading: only layer 0's values count (keys and deeper layers may change freely),
+    a BOS row in front of the chunk changes the scores, and its scores compare across chunks."""
     _, adapter = llama
     ids = rand_ids(33, 4)
     view = _view(adapter, ids, _context(adapter, bos=1))
-    _, _, bos_v = adapter.project_qkv(0, adapter.embed(torch.tensor([1])))
-    rows = torch.cat([bos_v.flatten(1), view.values[0].flatten(1)]).float()
-    expected = low_frequency(rows, 0.25).norm(dim=1)[1:]
     ranker = get_ranker("lf_v0")
-    assert_close(expected, ranker.scores(view))
-    assert ranker.global_budget
-    no_bos = low_frequency(view.values[0].flatten(1).float(), 0.25).norm(dim=1)
-    assert_close(no_bos, ranker.scores(_view(adapter, ids, _context(adapter, bos=None))))
+    scores = ranker.scores(view)
+    assert scores.shape == (33,) and ranker.global_budget
+    keys, values = torch.randn_like(view.keys), view.values.clone()
+    values[1:] = torch.randn_like(values[1:])
+    assert_close(scores, ranker.scores(ChunkView(ids, keys, values, view.context)))
+    values[0] = torch.randn_like(values[0])
+    assert not torch.allclose(scores, ranker.scores(ChunkView(ids, keys, values, view.context)))
+    assert not torch.allclose(scores, ranker.scores(_view(adapter, ids, _context(adapter, bos=None))))
 
 
-def test_fusion_is_reciprocal_rank_fusion_of_its_parts(llama):
+def test_fusion_ranks_a_token_both_parts_prefer_above_and_keeps_a_single_parts_order(llama):
     _, adapter = llama
     view = _view(adapter, rand_ids(25, 5), _context(adapter))
     first = get_ranker("first").scores(view)
     probe = get_ranker("probe").scores(view)
     fused = get_ranker("first+probe").scores(view)
-    rank_first = torch.arange(1, 26).float()
-    rank_probe = torch.empty(25)
-    rank_probe[ranking_from_scores(probe)] = torch.arange(1, 26).float()
-    assert_close(1 / (60 + rank_first) + 1 / (60 + rank_probe), fused)
-    assert torch.equal(rank_fusion([first]), 1 / (60 + rank_first))
+    for i in range(25):  # a token ranked above another by both parts is fused above it
+        for j in range(25):
+            if first[i] > first[j] and probe[i] > probe[j]:
+                assert fused[i] > fused[j], (i, j)
+    assert not torch.equal(ranking_from_scores(fused), ranking_from_scores(first))  # the probe moved it
+    assert torch.equal(ranking_from_scores(rank_fusion([probe])), ranking_from_scores(probe))
     assert get_ranker("first+probe").name == "first+probe" and get_ranker("first+probe").needs_model
     with pytest.raises(ValueError, match="globally budgeted"):
         get_ranker("lf_v0+probe")
@@ -114,12 +118,10 @@ def test_ranker_names_parse_and_unknown_ones_fail_clearly():
 def test_ranker_names_are_checked_before_they_size_anything():
     """A probe count past the probe passages (the context holds the head plus one prefix per passage)
     or a hybrid of very many parts fails at once, with nothing allocated for it."""
-    import time
     import tracemalloc
 
     assert get_ranker(f"probe:{len(PROBE_PASSAGES)}").probes == list(range(1, len(PROBE_PASSAGES) + 1))
     tracemalloc.start()
-    start = time.perf_counter()
     try:
         for bad, msg in [("probe:10000000", "probe count must be an integer in"),
                          (f"probe:{len(PROBE_PASSAGES) + 1}", "probe count"), ("probe:" + "9" * 5000, "probe count"),
@@ -131,7 +133,7 @@ def test_ranker_names_are_checked_before_they_size_anything():
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < 4 << 20 and time.perf_counter() - start < 2
+    assert peak < 4 << 20  # nothing was sized by the number
 
 
 def test_kv_only_rankers_agree_with_their_functions(llama):

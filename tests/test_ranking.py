@@ -157,12 +157,14 @@ def test_lf_scores_weigh_layers_equally_and_sum_to_one() -> None:
     assert set(ranking_from_scores(scores)[:2].tolist()) == {20, 100}
 
 
-def test_lf_scores_single_layer_equals_normalised_mean_of_k_and_v_magnitudes_at_alpha_one() -> None:
-    # alpha=1 keeps every frequency: the score is (|k| + |v|) / 2 per token, divided by its sum.
-    keys, values = random_kv(layers=1, n=20, seed=2)
-    expected = 0.5 * keys[0].flatten(1).norm(dim=1) + 0.5 * values[0].flatten(1).norm(dim=1)
-    expected = expected / expected.sum()
-    torch.testing.assert_close(lf_scores(keys, values, 1.0), expected, rtol=1e-4, atol=1e-7)
+def test_lf_scores_at_alpha_one_follow_each_tokens_magnitude() -> None:
+    # alpha=1 keeps every frequency: a token whose K and V are c times another's scores c times as much.
+    g = torch.Generator().manual_seed(2)
+    direction = torch.randn(1, 2, 4, generator=g)
+    scale = torch.tensor([1.0, 2.0, 3.0, 0.5, 4.0])
+    keys = (scale[:, None, None] * direction)[None]  # [1 layer, 5 tokens, 2 heads, 4 dims]
+    scores = lf_scores(keys, keys.clone(), 1.0)
+    torch.testing.assert_close(scores / scores[0], scale, rtol=1e-4, atol=1e-6)
 
 
 # --- ranking_from_scores --------------------------------------------------------------------------------

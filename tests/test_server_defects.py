@@ -4,7 +4,6 @@ answer) that touches no other request, found before any engine work where it can
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
@@ -40,20 +39,34 @@ def test_a_tiny_temperature_beside_a_streamed_request_leaves_both_whole():
         assert s.metric("cachetune:request_errors_total", '{kind="engine"}') == 0
 
 
+class LongestTokenized:
+    """A tokenizer stand-in that remembers the longest text it was asked to tokenize."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.longest = tokenizer, 0
+
+    def __call__(self, text, *args, **kwargs):
+        self.longest = max(self.longest, len(text))
+        return self.tokenizer(text, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
 def test_an_oversized_prompt_is_refused_before_it_is_tokenized():
     text = "w1 " * 2_500_000  # 7.5 MB: thousands of times what the tiny model's context holds
     with Served(ServerConfig(max_body_bytes=16 * 2**20)) as s:
-        started = time.perf_counter()
-        tokenizing = s.engine.tokenize(text[: len(text) // 4])  # a quarter of it, for scale
-        quarter = time.perf_counter() - started
-        assert tokenizing.numel() > 600_000
-        started = time.perf_counter()
-        r = s.http.post("/v1/completions", json={"prompt": text, "max_tokens": 1})
-        refused = time.perf_counter() - started
-        assert r.status_code == 413 and r.json()["error"]["param"] == "prompt"
-        assert refused < quarter  # no tokenizing: parsing the body is all it cost
-        ok = s.http.post("/v1/completions", json={"prompt": "w1", "max_tokens": 1})
+        spy = s.engine.template.tokenizer = LongestTokenized(s.engine.template.tokenizer)
+        for endpoint, body in (("/v1/completions", {"prompt": text, "max_tokens": 1}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}],
+                                                         "max_tokens": 1})):
+            r = s.http.post(endpoint, json=body)
+            assert r.status_code == 413, r.text
+            assert r.json()["error"]["param"] in ("prompt", "messages")
+        assert spy.longest < 1000  # no tokenizing of the text at all
+        ok = s.http.post("/v1/completions", json={"prompt": "w1 w2", "max_tokens": 1})
         assert ok.status_code == 200
+        assert spy.longest == len("w1 w2")  # the spy does see what the server tokenizes
 
 
 def test_inline_documents_over_the_limit_are_refused_before_any_is_encoded(served_plain):

@@ -208,7 +208,7 @@ def test_two_server_processes_share_one_redis_a_document_registered_on_one_is_se
 
 
 def test_bench_serve_drives_a_real_server_and_reports_every_method():
-    from cachetune.eval.bench_serve import ServeBenchConfig, format_table, run_bench_serve, wait_until_healthy
+    from cachetune.eval.bench_serve import ServeBenchConfig, run_bench_serve, wait_until_healthy
     from cachetune.eval.datasets import QAExample
 
     examples = [QAExample(f"tiny-{i}", [words(60, 10 * i + j) for j in range(3)], words(6, i), ["w1"])
@@ -226,17 +226,25 @@ def test_bench_serve_drives_a_real_server_and_reports_every_method():
     assert report["methods"]["full_recompute"]["rows"][0]["cached_share"] == 0
     assert report["methods"]["cachetune"]["rows"][0]["cached_share"] > 0.5
     assert report["max_rate_under_slo"]["cachetune"] == 8.0
-    assert "cachetune" in format_table(report)
 
 
-def test_waiting_for_a_server_that_never_answers_fails_in_time():
+def test_waiting_for_a_server_that_never_answers_fails_once_its_time_is_up(monkeypatch):
+    import pytest
+
     from cachetune.eval.bench_serve import wait_until_healthy
 
-    start = time.monotonic()
-    try:
-        wait_until_healthy(f"http://127.0.0.1:{_free_port()}", 1.0)
-    except RuntimeError as exc:
-        assert "did not answer" in str(exc)
-    else:
-        raise AssertionError("no error")
-    assert time.monotonic() - start < 5
+    class Clock:  # time passes only in sleep(): the test takes no real waiting
+        now = 0.0
+
+        def monotonic(self) -> float:
+            return self.now
+
+        def sleep(self, seconds: float) -> None:
+            self.now += seconds
+
+    clock = Clock()
+    monkeypatch.setattr(time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(time, "sleep", clock.sleep)
+    with pytest.raises(RuntimeError, match="did not answer 200 within 3 s"):
+        wait_until_healthy(f"http://127.0.0.1:{_free_port()}", 3.0)
+    assert 3.0 <= clock.now <= 4.0  # it kept asking for its 3 s, and stopped then

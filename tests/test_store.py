@@ -632,6 +632,24 @@ def kv_region(blob: bytes) -> tuple[int, int]:
     return 8 + n + begin, 8 + n + end
 
 
+def format_sha256(header: dict, data: bytes) -> str:
+    """The checksum a chunk blob's metadata carries, as the format defines it (what a writer, here a
+    forger, must compute): sha256 of the header as sorted-key JSON without its own "sha256", then the
+    data section."""
+    import hashlib
+
+    meta = {k: v for k, v in header["__metadata__"].items() if k != "sha256"}
+    digest = hashlib.sha256(json.dumps({**header, "__metadata__": meta}, sort_keys=True).encode())
+    digest.update(data)
+    return digest.hexdigest()
+
+
+def test_the_checksum_a_blob_carries_is_the_formats_sha256() -> None:
+    # Guard for the forgers below: a blob's own checksum is what format_sha256 computes.
+    header, data = split(pack(make_chunk(seed=30), FP))
+    assert header["__metadata__"]["sha256"] == format_sha256(header, data)
+
+
 def pack_previous_format(chunk: EncodedChunk, fingerprint: str) -> bytes:
     """A chunk blob exactly as format cachetune-chunk/4 wrote it (no block sums; its own sha256)."""
     from safetensors.torch import save
@@ -645,7 +663,7 @@ def pack_previous_format(chunk: EncodedChunk, fingerprint: str) -> bytes:
             "encoding": ENCODING_VERSION, "ranker": chunk.ranker, "variant": chunk.variant,
             "shape": json.dumps([int(layers), int(kv_heads), int(head_dim)])}
     header, data = split(save(tensors, metadata=meta))
-    return save(tensors, metadata={**meta, "sha256": blob_module._digest(header, data)})
+    return save(tensors, metadata={**meta, "sha256": format_sha256(header, data)})
 
 
 def load_tensors(blob: bytes) -> dict:
@@ -673,7 +691,7 @@ def test_blob_block_sums_are_in_the_checksummed_blob_and_checked_at_first_read(s
     forged_data = bytearray(data)
     forged_data[start] ^= 0x01
     meta = {k: v for k, v in header["__metadata__"].items() if k != "sha256"}
-    forged_header = {**header, "__metadata__": {**meta, "sha256": blob_module._digest(header, bytes(forged_data))}}
+    forged_header = {**header, "__metadata__": {**meta, "sha256": format_sha256(header, bytes(forged_data))}}
     raw = json.dumps(forged_header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     with pytest.raises(CorruptChunkError, match="block sums are not those of the rows"):

@@ -2,7 +2,7 @@
 
     bank = ExtractorBank(adapter, weights_identity(model), model_fingerprint(model), eos_id)
     bank.get("bundled")              # the C2KV extractor shipped for this exact base model (c2kv/weights/)
-    bank.get("paper")                # the shipped one trained as the paper builds it (c2kv/weights/paper/)
+    bank.get("paper")                # the one trained as the paper builds it (`make c2kv-paper`, built_dir())
     bank.get("step0")                # untrained: copies of the base projections, EOS embedding
     bank.get("step0+residual")       # the same, residual variant ("step0+anchor": anchored C2Tokens)
     bank.get("runs/c2kv/extractor.safetensors")
@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,22 @@ from cachetune.lru import LRUDict
 from cachetune.model.adapter import ModelAdapter
 
 BUNDLED_DIR = Path(__file__).parent / "weights"
-SHIPPED = {"bundled": BUNDLED_DIR, "paper": BUNDLED_DIR / "paper"}  # spec -> folder of shipped files
+
+
+def built_dir() -> Path:
+    """Where weights built on this machine live: those that only reproduce the paper's variant would
+    add 33 MB each to the wheel, so a make target writes them here instead. $CACHETUNE_WEIGHTS_DIR,
+    else ${XDG_CACHE_HOME:-~/.cache}/cachetune/weights."""
+    if os.environ.get("CACHETUNE_WEIGHTS_DIR"):
+        return Path(os.environ["CACHETUNE_WEIGHTS_DIR"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cachetune" / "weights"
+
+
+# The weights a name stands for: spec -> the folder searched for this base model's file (read on use,
+# so the environment is read when weights load). "bundled" ships in the package; "paper" is built.
+SHIPPED = {"bundled": lambda: BUNDLED_DIR, "paper": lambda: built_dir() / "paper"}
+# (spec, file kind) -> the make target that builds those weights (for SmolLM2-135M-Instruct).
+BUILT_BY = {("paper", C2Extractor.FORMAT): "c2kv-paper"}
 
 
 @dataclass(frozen=True)
@@ -75,7 +91,14 @@ class ExtractorBank:
         if spec in kind.STEP0:
             return kind(self.adapter, kind.STEP0[spec], self.base_identity, self.eos_id)
         if spec in SHIPPED:
-            path = bundled_path(self.base_identity, kind.FORMAT, SHIPPED[spec])
+            folder = SHIPPED[spec]()
+            path = bundled_path(self.base_identity, kind.FORMAT, folder)
+            if path is None and (spec, kind.FORMAT) in BUILT_BY:
+                raise TokensFileError(
+                    f"no {spec} {kind.VARIANT} weights for this model in {folder}: they are not shipped; "
+                    f"`make {BUILT_BY[spec, kind.FORMAT]}` builds them for SmolLM2-135M-Instruct (about 55 min; "
+                    f"CACHETUNE_WEIGHTS_DIR names another folder), or train them with `cachetune {kind.VARIANT} "
+                    f"train` and pass the file as {kind.VARIANT}:<path>")
             if path is None:
                 raise TokensFileError(f"no {spec} {kind.VARIANT} weights for this model; train them with "
                                       f"`cachetune {kind.VARIANT} train` and pass the file as {kind.VARIANT}:<path>")

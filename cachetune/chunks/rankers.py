@@ -3,7 +3,7 @@
 Every ranker maps a `ChunkView` (the chunk's tokens and the K/V it produced alone) to scores [N],
 higher = more worth recomputing; the ranking is the scores' stable descending order. Names (specs):
 
-- `lf[:alpha]`   the paper's low-frequency magnitude (CacheTune section 4.1), alpha default 0.5
+- `lf[:alpha]`   the paper's low-frequency magnitude (CacheTune section 4.1), alpha default EngineConfig.alpha
 - `lf_v0`        the public prototype's reading of it: layer-0 V only, cutoff 0.25, the chunk encoded after
                  a BOS token, and one top-r budget over the whole context instead of per chunk
 - `highfreq[:alpha]`, `l2`, `random`  analysis controls (the frequencies `lf` drops, no filter, chance)
@@ -177,7 +177,7 @@ def _probe_count(text: str) -> int:
 
 def _with_alpha(base: str, alpha: float) -> str:
     # The name identifies the ranking a store holds, so a non-default cutoff is part of it.
-    return base if alpha == 0.5 else f"{base}:{alpha:g}"
+    return base if alpha == EngineConfig.alpha else f"{base}:{alpha:g}"
 
 
 def _simple(base: str, arg: str, alpha: float) -> Ranker | None:
@@ -207,7 +207,7 @@ def _simple(base: str, arg: str, alpha: float) -> Ranker | None:
 RANKER_NAMES = ("lf", "lf_v0", "highfreq", "l2", "random", "first", "probe", "probe_head")
 
 
-def get_ranker(spec: str, alpha: float = 0.5) -> Ranker:
+def get_ranker(spec: str, alpha: float = EngineConfig.alpha) -> Ranker:
     """The ranker named by `spec` (see the module doc); `alpha` is the default LF cutoff."""
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"a ranker is named by a non-empty string, got {spec!r}; known: {', '.join(RANKER_NAMES)}")
@@ -233,6 +233,6 @@ def get_ranker(spec: str, alpha: float = 0.5) -> Ranker:
 
 
 def rank_tokens(spec: str, keys: torch.Tensor, values: torch.Tensor, token_ids: torch.Tensor,
-                alpha: float = 0.5, context: RankingContext | None = None) -> torch.Tensor:
+                alpha: float = EngineConfig.alpha, context: RankingContext | None = None) -> torch.Tensor:
     """The ranking [N] of one chunk by the named ranker."""
     return get_ranker(spec, alpha).ranking(ChunkView(token_ids, keys, values, context))

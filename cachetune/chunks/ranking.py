@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from cachetune.config import EngineConfig
+
 NOISE_FLOOR = 1e-5  # a layer whose total K (or V) drift is below this share of its total norm: no drift
 
 
@@ -66,13 +68,13 @@ def _check_alpha(alpha: float) -> None:
         raise ValueError(f"alpha must be in (0, 1], got {alpha}")
 
 
-def lf_scores(keys: torch.Tensor, values: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+def lf_scores(keys: torch.Tensor, values: torch.Tensor, alpha: float = EngineConfig.alpha) -> torch.Tensor:
     """CacheTune's score: magnitude of the low-frequency reconstruction (keys/values [L, N, Hkv, D])."""
     _check_alpha(alpha)
     return magnitude_scores(keys, values, lambda x: low_frequency(x, alpha))
 
 
-def hf_scores(keys: torch.Tensor, values: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+def hf_scores(keys: torch.Tensor, values: torch.Tensor, alpha: float = EngineConfig.alpha) -> torch.Tensor:
     """The paper's high-frequency control: magnitude of what `lf_scores` filters out."""
     _check_alpha(alpha)
     return magnitude_scores(keys, values, lambda x: high_frequency(x, alpha))

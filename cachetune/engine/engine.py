@@ -1,12 +1,16 @@
 """The Engine facade: cache chunks once, then serve requests assembled from them in one step loop.
 
     engine = Engine.from_pretrained()                       # bundled SmolLM2-135M-Instruct
-    ids = [engine.cache_chunk(text) for text in docs]
+    ids = [engine.cache_document(text) for text in docs]    # text + separator, encoded once
     out = engine.generate(chunks=ids, question="...", method="cachetune", ratio=0.15)
 
     req = engine.add_request(ids, "...", on_token=print)    # many requests: add, then step
     while engine.has_unfinished():
         engine.step()                                       # admit + prefill, then one batched decode
+
+The parts live in their own modules: chunk_cache (chunks by content address: encode, find, re-encode),
+scheduler (admission under the KV budget), request (what a request carries), calibration (the
+measured ratios "auto" reads) and prompt (the chat template).
 
 One loop owns the model: `step` (and `generate`, which steps until its request ends) may be called
 from any thread, but steps run one at a time under the engine's lock; `add_request`, `abort` and
@@ -21,36 +25,35 @@ import logging
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
+from functools import partial
 from typing import NamedTuple, Sequence
 
 import torch
 
 from cachetune.c2kv.bank import ExtractorBank
-from cachetune.chunks.encode import chunk_id, encode_chunk
-from cachetune.chunks.probes import PROBE_PASSAGES, ProbeBank
-from cachetune.chunks.rankers import RankingContext, get_ranker
+from cachetune.chunks.rankers import get_ranker
+from cachetune.chunks.rankings import ChunkRankings
 from cachetune.config import EngineConfig, parse_tiers
 from cachetune.engine.calibration import (AUTO, FILE_NAME, PRICE, RATIO, CalibrationFile, CalibrationKey,
                                          device_identity)
+from cachetune.engine.chunk_cache import ChunkCache, ranking_context
 from cachetune.engine.prompt import DEFAULT_SYSTEM, PromptTemplate
-from cachetune.engine.request import FinishCallback, GenerationResult, Request, RequestStatus, TokenCallback
+from cachetune.engine.request import (FinishCallback, GenerationResult, Request, RequestStatus, StopRule,
+                                      TokenCallback)
 from cachetune.engine.scheduler import KVBudget, Scheduler
 from cachetune.engine.selfcheck import ReuseRefusedError, run_self_check
 from cachetune.errors import RequestError
-from cachetune.lru import LRUDict
 from cachetune.methods import Method, MethodContext, Prefill, PromptLayout, Segment, make_method
+from cachetune.methods.full_recompute import FULL_RECOMPUTE
 from cachetune.runtime.prefix_cache import PrefixCache
-from cachetune.chunks.rankings import ChunkRankings
 from cachetune.model.adapter import ModelAdapter
 from cachetune.model.loader import LoadedModel, default_cache_dir, load_model, model_fingerprint, weights_identity
 from cachetune.runtime.decode import SamplingConfig, TokenLogprob, sample, token_logprobs
 from cachetune.runtime.forward import PromptHidden, decode_step, keeping_prompt_hidden
 from cachetune.runtime.kv_cache import kv_bytes_per_row
 from cachetune.runtime.loading import Pipeline
-from cachetune.store.base import ChunkStore, CorruptChunkError, LocalChunk, StoredChunk
+from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
 from cachetune.store.blob import ModelShape
-from cachetune.store.memory import MemoryStore
 from cachetune.store.tiered import build_store
 
 log = logging.getLogger(__name__)
@@ -61,7 +64,7 @@ PROMPT_LOGITS_BLOCK = 256  # prompt positions turned into logits at once (echo):
 class StepResult(NamedTuple):
     finished: list[Request]  # requests that ended in this step
     prefilled: int           # requests admitted and prefilled
-    decoded: int             # tokens produced by the batched decode
+    decoded: int             # tokens produced by this step's decode
     prefill_s: float
     decode_s: float
 
@@ -91,21 +94,20 @@ class Engine:
         self.max_context = getattr(self.model.config, "max_position_embeddings", None)
         self.store = store or self._default_store()
         self.calibration = CalibrationFile(config.calibration or default_cache_dir() / FILE_NAME)
-        self.fallback = MemoryStore(config.fallback_bytes, pinned=self.adapter.device.type == "cuda")
-        self._fallback_retry_at = 0.0
-        self.chunks_encoded = 0  # chunks this engine ran through the model (a chunk found in the store is not)
-        self.rankings = ChunkRankings(self.adapter, config.ranking, config.alpha, self._ranking_context,
-                                      config.tracked_chunks, self.store)
+        self._lock = threading.RLock()
+        probes = partial(ranking_context, self.adapter, self.template, getattr(self.tokenizer, "bos_token_id", None))
+        self.rankings = ChunkRankings(self.adapter, config.ranking, config.alpha, probes, config.tracked_chunks,
+                                      self.store)
+        self.chunk_cache = ChunkCache(self.adapter, self.fingerprint, self.store, self.rankings, self.vocab_size,
+                                      self.max_context, self._lock, config.tracked_chunks, config.fallback_bytes)
         self.prefix_cache = PrefixCache(max_blocks=config.prefix_blocks)
         self.extractors = ExtractorBank(self.adapter, weights_identity(self.model), self.fingerprint, self.eos_id())
         self.context = MethodContext(self.adapter, self.rankings, self.prefix_cache, Pipeline(overlap=config.prefetch),
                                      self.store, self.extractors, self.price_scale)
-        self._tokens: LRUDict[str, torch.Tensor] = LRUDict(config.tracked_chunks)  # to re-encode a lost chunk
         self.kv_bytes_per_row = kv_bytes_per_row(self.adapter.num_layers, self.adapter.num_kv_heads,
                                                  self.adapter.head_dim, self.adapter.dtype)
         budget = KVBudget(max(1, config.kv_budget_bytes // self.kv_bytes_per_row))
         self.scheduler = Scheduler(budget, config.max_running, config.prefill_tokens_per_step)
-        self._lock = threading.RLock()
         self._ids = itertools.count()
         self._stop_ids = self.stop_ids()
         self.reuse_error: str | None = None
@@ -129,7 +131,7 @@ class Engine:
         return build_store(parse_tiers(self.config.tiers), self.fingerprint, shape, self.adapter.device,
                            default_cache_dir() / "chunks")
 
-    # ---- chunks -------------------------------------------------------------------------------
+    # ---- chunks (ChunkCache does the work; these are the engine's public calls) ------------------
     def tokenize(self, text: str) -> torch.Tensor:
         """Token ids of user text; special-token strings in it stay text."""
         return self.template.encode(text)
@@ -138,118 +140,50 @@ class Engine:
         """Encode `text` on its own once, rank its tokens and store it; returns its content-address id."""
         if not isinstance(text, str):
             raise TypeError(f"a chunk is text (str), got {type(text).__name__}")
-        return self.cache_tokens(self.tokenize(text))
+        return self.chunk_cache.cache_tokens(self.tokenize(text))
+
+    def cache_document(self, text: str) -> str:
+        """Cache a document as prompts lay it out (its text and the document separator,
+        PromptTemplate.document); returns its chunk id."""
+        return self.chunk_cache.cache_tokens(self.template.document(text))
 
     def cache_tokens(self, token_ids: torch.Tensor | Sequence[int]) -> str:
         """Like cache_chunk for text already tokenized (the ids are used exactly as given)."""
-        ids = self._checked_ids(token_ids)
-        cid = chunk_id(self.fingerprint, ids)
-        with self._lock:
-            known = cid in self._tokens
-            self._tokens.put(cid, ids)
-            try:
-                self.chunk(cid)  # found, or encoded now and stored (or kept in the fallback)
-            except BaseException:
-                if not known:
-                    self._tokens.pop(cid)  # nothing is left behind
-                raise
-        return cid
-
-    def _checked_ids(self, token_ids) -> torch.Tensor:
-        """A chunk's ids as a 1-D int64 CPU tensor, or a clear error (nothing is stored on failure)."""
-        if not isinstance(token_ids, torch.Tensor):
-            if not isinstance(token_ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in token_ids
-            ):
-                raise ValueError("token ids must be a 1-D integer tensor or a list of ints")
-            token_ids = torch.tensor(token_ids, dtype=torch.int64)
-        if token_ids.dim() != 1:
-            raise ValueError(f"token ids must be 1-D, got shape {tuple(token_ids.shape)}")
-        if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
-            raise ValueError(f"token ids must be integers, got {token_ids.dtype}")
-        if token_ids.numel() == 0:
-            raise ValueError("cannot cache an empty chunk")
-        lo, hi = int(token_ids.min()), int(token_ids.max())
-        if lo < 0 or hi >= self.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got values in [{lo}, {hi}]")
-        if self.max_context is not None and token_ids.numel() > self.max_context:
-            raise RequestError(f"chunk of {token_ids.numel()} tokens is longer than the model's context window "
-                               f"({self.max_context} positions)")
-        return token_ids.to(torch.int64).cpu()
-
-    def _lookup(self, cid: str) -> StoredChunk | None:
-        try:
-            return self.store.get(cid)
-        except CorruptChunkError as exc:
-            log.warning("dropped corrupt chunk %s: %s", cid, exc)
-            return None
+        return self.chunk_cache.cache_tokens(token_ids)
 
     def chunk(self, cid: str) -> StoredChunk:
-        """The stored chunk; a missing or corrupt one is re-encoded if this engine knows its tokens.
-
-        A chunk no tier could take (all full of chunks in use, a shared tier down) is kept in the
-        fallback memory (config.fallback_bytes), so an outage costs one encoding per chunk, not one per
-        request. On its next use it is offered to the tiers again and leaves the fallback once they hold
-        it; after an offer they refused, none is offered for a second (a dead tier is not retried on every
-        lookup), while once one is taken the rest follow as they are used."""
-        with self._lock:
-            stored = self._lookup(cid) or self._from_fallback(cid)
-            tokens = self._tokens.get(cid)
-            if stored is None and tokens is not None:
-                encoded = self._encode(tokens)
-                self.store.put(encoded)
-                stored = self._lookup(cid)
-                if stored is None:
-                    self.fallback.put(encoded)
-                    stored = self.fallback.get(cid) or LocalChunk(encoded)
-            if stored is None:
-                raise KeyError(f"chunk {cid} is not in the store; cache its text with cache_chunk() first")
-            return stored
-
-    def _from_fallback(self, cid: str) -> StoredChunk | None:
-        kept = self.fallback.get(cid)
-        now = time.monotonic()
-        if kept is None or now < self._fallback_retry_at:
-            return kept
-        self.store.put(kept.encoded())
-        stored = self._lookup(cid)
-        if stored is None:
-            self._fallback_retry_at = now + 1.0
-            return kept
-        self.fallback.remove(cid)  # a tier holds it again
-        return stored
+        """The stored chunk; a missing or corrupt one is re-encoded if this engine knows its tokens
+        (KeyError otherwise). See ChunkCache for the fallback memory that outlives a tier outage."""
+        return self.chunk_cache.chunk(cid)
 
     def find_chunk(self, cid: str) -> StoredChunk | None:
         """The stored chunk, or None when no tier (nor the fallback memory) holds it intact (nothing is
         encoded)."""
-        with self._lock:
-            return self._lookup(cid) or self._from_fallback(cid)
+        return self.chunk_cache.find(cid)
 
     def remove_chunk(self, cid: str) -> bool:
         """Forget a chunk in every tier (shared ones too); False when none held it. Requests already
         holding it keep their handle."""
+        return self.chunk_cache.remove(cid)
+
+    @property
+    def chunks_encoded(self) -> int:
+        """Chunks this engine ran through the model (a chunk found in the store is not)."""
+        return self.chunk_cache.encoded
+
+    # ---- prefix cache -------------------------------------------------------------------------
+    def cache_prefix(self, token_ids: torch.Tensor) -> int:
+        """Keep the KV of a plain prefill of `token_ids` [N] in the prefix cache, as serving them as a
+        prompt with full recompute would; returns the tokens it now covers (whole blocks only). Nothing
+        is computed when those blocks are cached already."""
+        cache = self.prefix_cache
+        full_blocks = (token_ids.numel() // cache.block_size) * cache.block_size
         with self._lock:
-            present = (self._lookup(cid) or self.fallback.get(cid)) is not None
-            self.store.remove(cid)
-            self.fallback.remove(cid)
-            self._tokens.pop(cid)
-            return present
-
-    def _encode(self, token_ids: torch.Tensor):
-        self.chunks_encoded += 1
-        ranker = self.rankings.ranker()
-        context = self.rankings.context() if ranker.needs_model else None
-        return encode_chunk(self.adapter, token_ids, self.fingerprint, ranker, context)
-
-    def _ranking_context(self) -> RankingContext:
-        """Model and probe prefixes for rankers that run the model (built on first need).
-
-        Probe 0 is the prompt head a request puts before its documents (template start, default system
-        prompt); probe i > 0 is that head followed by PROBE_PASSAGES[i-1] and the document separator."""
-        head = self.template.segments(DEFAULT_SYSTEM, "")[0]
-        passages = [torch.cat([head, self.tokenize(p + "\n\n")]) for p in PROBE_PASSAGES]
-        bos = getattr(self.tokenizer, "bos_token_id", None)
-        return RankingContext(self.adapter, ProbeBank(self.adapter, [head, *passages]), bos)
+            # match() never counts the last token, so probe with one more: are all full blocks cached?
+            if cache.match(torch.cat([token_ids, token_ids[:1]])) >= full_blocks:
+                return full_blocks
+            cache.insert(token_ids, self.prefill(PromptLayout([Segment(token_ids)]), FULL_RECOMPUTE).cache)
+        return full_blocks
 
     # ---- prompts and methods ------------------------------------------------------------------
     def build_prompt(self, chunks: Sequence[str], question: str, system: str | None = None) -> PromptLayout:
@@ -303,13 +237,26 @@ class Engine:
         found = {tier: self.calibration.ratio(self.calibration_key(tier)) for tier in self.tier_labels()}
         return {tier: r for tier, r in found.items() if r is not None}
 
+    # The ratio policy: every caller (the server, add_request, method) resolves "auto" through these two.
+    def request_ratio(self, ratio: float | str | None, auto_by_default: bool = True) -> float | str | None:
+        """The ratio a request runs at: `ratio` when it names one; else "auto" when `auto_by_default`
+        (a server's config.auto_ratio) and a tier of this engine is calibrated for this machine; else
+        None (the method's configured ratio)."""
+        if ratio is None and auto_by_default and self.calibrated_ratios():
+            return AUTO
+        return ratio
+
     def auto_ratio(self, prompt: PromptLayout) -> float:
         """The ratio "auto" means for `prompt`: the largest calibrated ratio among the tiers its chunks
         were read from (the slowest read sets the pace), a tier without a calibration counting as
         config.min_ratio (the quality floor); min_ratio for a prompt without chunks."""
         tiers = {seg.chunk.tier for _, seg in prompt.chunk_segments}
         ratios = [self.calibration.ratio(self.calibration_key(t)) if t else None for t in tiers]
-        return max([self.config.min_ratio, *(r for r in ratios if r is not None)]) if ratios else self.config.min_ratio
+        return max([self.config.min_ratio, *(r for r in ratios if r is not None)])
+
+    def unavailable(self, method: Method) -> str | None:
+        """Why `method` cannot serve on this engine (e.g. trained weights it needs are missing), or None."""
+        return method.unavailable(self.context)
 
     def prepare(self, prompt: PromptLayout, method: Method) -> None:
         """The method's untimed offline work for every chunk of `prompt` (e.g. a non-default ranking)."""
@@ -352,18 +299,30 @@ class Engine:
         sampling: SamplingConfig | None = None,
         on_token: TokenCallback | None = None,
         on_finish: FinishCallback | None = None,
+        stop: StopRule | None = None,
         prompt: PromptLayout | None = None,
+        prefill: Prefill | None = None,
     ) -> Request:
         """Queue a request over the cached `chunks` (ids from cache_chunk, in prompt order) and
         `question`, or over a ready `prompt`. It is served by later `step()` calls; `on_token(request,
-        id)` sees every generated token as it is sampled and `on_finish(request)` the end. ratio
-        "auto" is the calibrated one for where the chunks are read from (auto_ratio).
+        id)` sees every generated token as it is sampled, `stop(output_ids)` returning True ends it
+        after that token (finish_reason "stop"), and `on_finish(request)` sees the end. ratio "auto"
+        is the calibrated one for where the chunks are read from (auto_ratio).
+
+        `prefill`: `prompt` already prefilled by `self.prefill(prompt, method, ratio)` (analysis code
+        that times or teacher-forces that prefill too). The request then starts from it and decodes
+        alone through `prefill.extend`, the call teacher forcing makes: its greedy tokens are exactly
+        the argmax of the logits a teacher-forced pass over them computes (the batched decode kernel
+        matches them only to rounding). Its KV lives outside the budget, and its cache stays the
+        caller's (the method's `finish`, e.g. the prefix cache insert, never sees it).
 
         Raises (before anything is queued) for an unknown method or chunk, a prompt that does not fit
         the model's context window or could never fit the KV budget, or reuse refused by the self-check."""
         sampling = sampling or SamplingConfig(max_new_tokens=self.config.max_new_tokens)
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        if prefill is not None and (prompt is None or sampling.prompt_logprobs is not None):
+            raise ValueError("a ready prefill needs the prompt it was made from, and gives no prompt logprobs")
         if ratio != AUTO:
             method = self.method(method, ratio, ranking)  # a bad name fails before any chunk is looked up
         with self._lock:
@@ -372,10 +331,12 @@ class Engine:
                     raise ValueError("a request needs a question (or a ready prompt)")
                 prompt = self.build_prompt(chunks, question, system)
             method = self.method(method, ratio, ranking, prompt)
-            self._check_servable(prompt, method, sampling.max_new_tokens)
-            self.prepare(prompt, method)  # offline work (a ranking not stored): before the clock starts
-            rows = method.prompt_rows(prompt) + sampling.max_new_tokens
-            request = Request(next(self._ids), prompt, method, sampling, rows, on_token, on_finish,
+            if prefill is None:
+                self._check_servable(prompt, method, sampling.max_new_tokens)
+                self.prepare(prompt, method)  # offline work (a ranking not stored): before the clock starts
+            rows = 0 if prefill is not None else method.prompt_rows(prompt) + sampling.max_new_tokens
+            request = Request(next(self._ids), prompt, method, sampling, rows, on_token, on_finish, stop,
+                              given_prefill=prefill is not None, prefill=prefill,
                               generator=sampling.generator())
             self.scheduler.add(request)
         return request
@@ -389,6 +350,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         with self._lock:
             return self.scheduler.has_unfinished
+
+    def running_requests(self) -> list[Request]:
+        """The requests admitted and not ended (a snapshot: ending one does not change it)."""
+        with self._lock:
+            return list(self.scheduler.running)
 
     def kv_usage(self) -> KVUsage:
         with self._lock:
@@ -411,8 +377,16 @@ class Engine:
             # One batched decode per model: nearly always the engine's own; a method that serves
             # with its own fine-tuned model (Block-Attention) decodes its requests apart.
             groups: dict[int, list[Request]] = {}
+            alone: list[Request] = []
             for r in self.scheduler.running:
-                groups.setdefault(id(r.prefill.adapter or self.adapter), []).append(r)
+                if r.given_prefill:
+                    alone.append(r)
+                else:
+                    groups.setdefault(id(r.prefill.adapter or self.adapter), []).append(r)
+            for request in alone:  # decoded as teacher forcing decodes them (add_request's `prefill`)
+                self._next_token(request, request.prefill.extend(self.adapter, [request.output_ids[-1]])[-1],
+                                 finished)
+                decoded += 1
             for batch in groups.values():
                 adapter = batch[0].prefill.adapter or self.adapter
                 logits = decode_step(adapter, [r.output_ids[-1] for r in batch], [r.prefill.cache for r in batch],
@@ -428,6 +402,9 @@ class Engine:
                              for s in prompt.segments])
 
     def _prefill(self, request: Request, finished: list[Request]) -> None:
+        if request.given_prefill:  # prefilled by the caller: its first token comes from that prefill
+            self._started(request, request.prefill, finished)
+            return
         try:
             echo = request.sampling.prompt_logprobs is not None
             with keeping_prompt_hidden() if echo else contextlib.nullcontext() as kept:
@@ -442,6 +419,10 @@ class Engine:
         except Exception as exc:  # one request's failure (a corrupt chunk...) never stops the others
             self._fail(request, exc, finished, "prefill")
             return
+        self._started(request, result, finished)
+
+    def _started(self, request: Request, result: Prefill, finished: list[Request]) -> None:
+        """Record `request`'s prefill and sample its first token from it."""
         request.prefill = result
         request.computed_tokens = result.computed_tokens
         request.recomputed_tokens = result.recomputed_chunk_tokens
@@ -484,7 +465,8 @@ class Engine:
 
     def _emit(self, request: Request, token: int, finished: list[Request], logprob: TokenLogprob | None = None
               ) -> None:
-        """Record a sampled token, stream it, and end the request on a stop token or its budget."""
+        """Record a sampled token, stream it, and end the request on a stop token, its budget or its
+        stop rule."""
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         if token in self._stop_ids and not request.sampling.ignore_eos:
@@ -494,20 +476,24 @@ class Engine:
         request.output_ids.append(token)
         if logprob is not None:
             request.token_logprobs.append(logprob)
-        if request.on_token is not None:
-            try:
+        try:
+            if request.on_token is not None:
                 request.on_token(request, token)
-            except Exception as exc:  # a consumer that broke: end its request, keep serving the rest
-                request.error = exc
-                self._end(request, RequestStatus.FAILED, "error")
-                finished.append(request)
-                return
+            stop = request.stop is not None and request.stop(request.output_ids)
+        except Exception as exc:  # a consumer that broke: end its request, keep serving the rest
+            request.error = exc
+            self._end(request, RequestStatus.FAILED, "error")
+            finished.append(request)
+            return
         if len(request.output_ids) >= request.sampling.max_new_tokens:
             self._end(request, RequestStatus.FINISHED, "length")
             finished.append(request)
+        elif stop:
+            self._end(request, RequestStatus.FINISHED, "stop")
+            finished.append(request)
 
     def _end(self, request: Request, status: RequestStatus, reason: str) -> None:
-        if status is RequestStatus.FINISHED and request.prefill is not None:
+        if status is RequestStatus.FINISHED and request.prefill is not None and not request.given_prefill:
             request.method.finish(self.context, request.prompt, request.prefill.cache)
         self.scheduler.remove(request)
         request.status, request.finish_reason = status, reason
@@ -535,18 +521,23 @@ class Engine:
 
     def generate(
         self,
-        chunks: Sequence[str],
-        question: str,
+        chunks: Sequence[str] = (),
+        question: str | None = None,
         system: str | None = None,
         method: str | Method | None = None,
         ratio: float | str | None = None,
         sampling: SamplingConfig | None = None,
         ranking: str | None = None,
+        *,
+        stop: StopRule | None = None,
+        prompt: PromptLayout | None = None,
+        prefill: Prefill | None = None,
     ) -> GenerationResult:
-        """Answer `question` over the cached `chunks` (ids from cache_chunk, in prompt order): one
-        request, stepped until it ends (other queued requests are served along with it)."""
+        """Answer `question` over the cached `chunks` (ids from cache_chunk, in prompt order), or a
+        ready `prompt` (and its `prefill`; see add_request): one request, stepped until it ends (other
+        queued requests are served along with it)."""
         request = self.add_request(chunks, question, system=system, method=method, ratio=ratio, ranking=ranking,
-                                   sampling=sampling)
+                                   sampling=sampling, stop=stop, prompt=prompt, prefill=prefill)
         while not request.finished:
             self.step()
         if request.error is not None:

@@ -46,6 +46,14 @@ class PromptTemplate:
         ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         return torch.tensor(ids, dtype=torch.int64)
 
+    def document(self, text: str) -> torch.Tensor:
+        """Token ids [N] of a document as a chunk: its text followed by DOCUMENT_SEPARATOR, so chunks
+        placed one after another read as separate passages. Every place that caches or lays out a
+        document goes through here, so the same text always gives the same chunk."""
+        if not isinstance(text, str):
+            raise TypeError(f"a document is text (str), got {type(text).__name__}")
+        return self.encode(text + DOCUMENT_SEPARATOR)
+
     def _encode_template(self, text: str) -> list[int]:
         """The template's own text: its special tokens are parsed as such."""
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []

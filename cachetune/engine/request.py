@@ -23,6 +23,7 @@ class RequestStatus(enum.Enum):
 
 TokenCallback = Callable[["Request", int], None]
 FinishCallback = Callable[["Request"], None]
+StopRule = Callable[[list[int]], bool]  # output ids so far -> True ends the request (finish_reason "stop")
 
 
 @dataclass(eq=False)
@@ -30,7 +31,12 @@ class Request:
     """One request. The engine's step loop owns and updates it; callers only read it.
 
     `rows` KV rows (the method's prompt rows + max_new_tokens) are reserved from the budget while it runs and returned
-    the moment it ends. Times are `time.perf_counter()` seconds."""
+    the moment it ends. Times are `time.perf_counter()` seconds.
+
+    A request `given_prefill` was prefilled by its caller (Engine.prefill, outside the loop and its
+    budget): it reserves no rows, the loop samples its first token from that prefill and decodes it
+    alone through `Prefill.extend`, and its cache is never handed to the method's `finish` (the
+    caller keeps it)."""
 
     id: int
     prompt: PromptLayout
@@ -39,6 +45,8 @@ class Request:
     rows: int
     on_token: TokenCallback | None = None
     on_finish: FinishCallback | None = None
+    stop: StopRule | None = None       # checked after every emitted token
+    given_prefill: bool = False
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None   # "stop", "length", "abort" or "error"

@@ -22,7 +22,7 @@ from cachetune.chunks.ranking import top_share
 from cachetune.config import EngineConfig
 from cachetune.engine.engine import Engine
 from cachetune.eval.datasets import QAExample
-from cachetune.eval.harness import DOCUMENT_SEPARATOR, TASK_SYSTEM, Setting, Variant
+from cachetune.eval.harness import TASK_SYSTEM, Setting, Variant
 from cachetune.eval.report import pyplot, save_figure
 from cachetune.methods.full_recompute import FULL_RECOMPUTE
 from cachetune.runtime.prefill import selective_prefill
@@ -117,7 +117,7 @@ def attention_similarity(engine: Engine, examples: list[QAExample], chunk_counts
     methods = {"full_reuse": None, **SELECTIONS}
     sims: dict[str, dict[int, list[float]]] = {m: {n: [] for n in chunk_counts} for m in methods}
     for ex in tqdm(examples, desc="attention", disable=not progress):
-        ids = [engine.cache_chunk(doc + DOCUMENT_SEPARATOR) for doc in ex.documents]
+        ids = [engine.cache_document(doc) for doc in ex.documents]
         for n in chunk_counts:
             layout = engine.build_prompt(ids[:n], ex.question, TASK_SYSTEM[ex.task])
             chunks = [seg.chunk for _, seg in layout.chunk_segments]

@@ -31,7 +31,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from cachetune.engine.engine import Engine
 from cachetune.engine.prompt import QUESTION_LABEL
 from cachetune.eval.datasets import QAExample
-from cachetune.eval.harness import DOCUMENT_SEPARATOR, TASK_SYSTEM
+from cachetune.eval.harness import TASK_SYSTEM
 from cachetune.eval.metrics import summarize
 from cachetune.eval.report import pyplot, save_figure
 from cachetune.methods import PromptLayout
@@ -92,7 +92,7 @@ def hf_decode_rate(engine: Engine, prompts: list[PromptLayout], new_tokens: int)
 def example_prompt(engine: Engine, example: QAExample, documents: int = 0) -> PromptLayout:
     """The prompt of `example` with its first `documents` documents (0: all) cached as chunks."""
     docs = example.documents[:documents] if documents else example.documents
-    ids = [engine.cache_chunk(doc + DOCUMENT_SEPARATOR) for doc in docs]
+    ids = [engine.cache_document(doc) for doc in docs]
     before, after = engine.template.segments(TASK_SYSTEM[example.task], example.question,
                                              "" if example.verbatim else QUESTION_LABEL)
     return engine.prompt_from(before, ids, after)

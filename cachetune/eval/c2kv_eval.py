@@ -14,7 +14,6 @@ import torch
 
 from cachetune.chunks.encode import EncodedChunk, chunk_id
 from cachetune.eval.datasets import QAExample, load_split
-from cachetune.eval.harness import DOCUMENT_SEPARATOR
 from cachetune.methods.c2kv import encode_c2kv
 from cachetune.store.blob import pack
 
@@ -36,7 +35,7 @@ def stored_bytes_per_token(engine, examples: list[QAExample], extractor: str) ->
     full = c2 = tokens = 0
     for ex in examples:
         for doc in ex.documents:
-            chunk = engine.chunk(engine.cache_chunk(doc + DOCUMENT_SEPARATOR))
+            chunk = engine.chunk(engine.cache_document(doc))
             rows = torch.arange(chunk.num_tokens)
             kv = [chunk.load_layer(layer, rows) for layer in range(engine.adapter.num_layers)]
             encoded = EncodedChunk(chunk.chunk_id, chunk.token_ids, torch.stack([k for k, _ in kv]),

@@ -35,7 +35,7 @@ from cachetune.chunks.kv import encode_kv
 from cachetune.chunks.rankers import ChunkView, get_ranker
 from cachetune.chunks.ranking import NOISE_FLOOR, kv_drift, layer_drift, lf_scores, ranking_from_scores, top_share
 from cachetune.runtime.layout import PromptLayout
-from cachetune.eval.harness import DOCUMENT_SEPARATOR
+from cachetune.engine.prompt import DOCUMENT_SEPARATOR
 from cachetune.eval.datasets import QAExample
 from cachetune.model.adapter import ModelAdapter
 

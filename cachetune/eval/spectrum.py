@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cachetune.eval.harness import DOCUMENT_SEPARATOR
+from cachetune.engine.prompt import DOCUMENT_SEPARATOR
 from cachetune.eval.datasets import QAExample
 
 LOW_SHARE = 0.2

@@ -5,26 +5,24 @@ allocation. The allocation decides how many each chunk gets and which:
 
 - `proportional`: chunk i gets its share of the budget in proportion to its length (largest
   remainders; CacheTune's per-chunk top r), its top tokens by the ranking;
-- `equal`: the same count for every chunk (water-filled: a chunk shorter than the share gives the
-  rest to the others), EPIC's shape at any ratio;
-- `starts`: a share `start_share` of the budget goes to every chunk's top tokens by its offline
-  ranking, the same count for each (water-filled); with the default `first` ranking those are the
-  chunk's first tokens. The remainder goes by the scores: over the whole context when they compare
-  across chunks (an online signal), otherwise in proportion to what each chunk has left;
-- `spread`: `starts`, with the remainder always in proportion to what each chunk has left (picked
-  within each chunk by the scores): the recomputed tokens stay spread over the prompt like the
-  chunks are, so their attention costs what `first`'s does (an online signal's favourites sit late
-  in the prompt, and a late token attends over more keys). `signal_tokens` caps the scores' picks
-  per chunk; the rest of the chunk's share continues its starts;
+- `spread`: a share `start_share` of the budget goes to every chunk's top tokens by its offline
+  ranking, the same count for each (water-filled: a chunk shorter than its share gives the rest to
+  the others); with the default `first` ranking those are the chunk's first tokens (`starts`). The
+  remainder goes in proportion to what each chunk has left, picked within each chunk by the scores:
+  the recomputed tokens stay spread over the prompt like the chunks are, so their attention costs
+  what `first`'s does (an online signal's favourites sit late in the prompt, and a late token
+  attends over more keys). `signal_tokens` caps the scores' picks per chunk; the rest of the chunk's
+  share continues its starts;
 - `focus`: `spread`, with the remainder shared in proportion to the scores' mass in each chunk (the
   sum of its scores over the tokens its starts leave) instead of its length: the question's
   attention says which chunks this request needs, while the tokens stay each chunk's starts and
-  signal picks (scores must compare across chunks);
-- `global`: the top `budget` tokens of the whole context by scores that compare across chunks
-  (CacheBlend, ProphetKV).
+  signal picks (scores must compare across chunks).
+
+`global_top` takes the top of the whole context by scores that compare across chunks (CacheBlend's
+and ProphetKV's shape, and an offline ranking that compares across chunks, `lf_v0`).
 
 Drift sits at the start of every chunk whatever its length, which is why a per-chunk proportional
-budget starves short chunks: `starts` and `equal` give every chunk its start.
+budget starves short chunks: `spread` and `focus` give every chunk its start.
 """
 
 from __future__ import annotations
@@ -34,11 +32,10 @@ import math
 import torch
 
 from cachetune.config import ALLOCATIONS
-START_SHARE = 0.8   # `starts`, `spread`, `focus`: the budget's share spent on chunk starts (the lowest KL measured)
+
+START_SHARE = 0.8   # `spread`, `focus`: the budget's share spent on chunk starts (the lowest KL measured)
 SIGNAL_TOKENS = 4   # `spread`, `focus`: at most this many of a chunk's tokens picked by the signal (so no one
                     # chunk takes the signal's whole share)
-WITH_STARTS = ("starts", "spread", "focus")  # allocations that give `start_share` to chunk starts first
-PER_CHUNK = ("proportional", "equal", "spread")  # allocations whose signal picks within each chunk's own share
 
 
 def request_budget(lengths: list[int], ratio: float) -> int:
@@ -174,7 +171,7 @@ def starts(ranked: list[torch.Tensor], count: int) -> list[torch.Tensor]:
 
 
 def start_count(budget: int, start_share: float) -> int:
-    """How much of a budget the `starts` allocation spends on chunk starts (half rounds up)."""
+    """How much of a budget `spread` and `focus` spend on chunk starts (half rounds up)."""
     if not 0.0 <= start_share <= 1.0:
         raise ValueError(f"start_share must be in [0, 1], got {start_share}")
     return int(math.floor(start_share * budget + 0.5))
@@ -187,11 +184,10 @@ def allocate(scores: list[torch.Tensor], ratio: float, allocation: str = "propor
     chunk tokens) in all (see the module doc for each allocation).
 
     scores: one [N_i] vector per chunk, higher first; `comparable`: whether they compare across
-    chunks (required by `global`, and what `starts` uses for its remainder). ranked: the offline
-    scores that pick the `starts` share (default: `scores` when they do not compare across chunks,
-    otherwise position). signal_tokens: under `spread` and `focus`, at most this many of a chunk's tokens go by
-    `scores` and the rest of its share continues its starts by `ranked` (None: no cap; the other
-    allocations have no per-chunk signal share to cap)."""
+    chunks (required by `focus`). ranked: the offline scores that pick the starts of `spread` and
+    `focus` (default: `scores` when they do not compare across chunks, otherwise position).
+    signal_tokens: under `spread` and `focus`, at most this many of a chunk's tokens go by `scores`
+    and the rest of its share continues its starts by `ranked` (None: no cap)."""
     if allocation not in ALLOCATIONS:
         raise ValueError(f"unknown allocation {allocation!r}; known: {', '.join(ALLOCATIONS)}")
     start_count(0, start_share)  # validates the share
@@ -201,26 +197,18 @@ def allocate(scores: list[torch.Tensor], ratio: float, allocation: str = "propor
     budget = request_budget(lengths, ratio)
     if allocation == "proportional":
         return _fill(scores, proportional_quotas(lengths, budget))
-    if allocation == "equal":
-        return _fill(scores, equal_quotas(lengths, budget))
-    if allocation == "global":
-        if not comparable:
-            raise ValueError("the global allocation needs scores that compare across chunks (an online signal)")
-        return global_top(scores, budget)
     if allocation == "focus" and not comparable:
         raise ValueError("the focus allocation needs scores that compare across chunks (an online signal)")
-    if ranked is None:  # starts / spread / focus
+    if ranked is None:
         ranked = [torch.arange(n, 0, -1, dtype=torch.float32) for n in lengths] if comparable else scores
     first = starts(ranked, start_count(budget, start_share))
     left = budget - sum(t.numel() for t in first)
-    if comparable and allocation == "starts":
-        return global_top(scores, left, taken=first)
     caps = [n - t.numel() for n, t in zip(lengths, first)]
     if allocation == "focus":
         rest = weighted_quotas([chunk_mass(s, t) for s, t in zip(scores, first)], caps, left)
     else:
         rest = proportional_quotas(caps, left)
-    if signal_tokens is not None and allocation in ("spread", "focus"):
+    if signal_tokens is not None:
         more = [max(0, q - signal_tokens) for q in rest]
         first = _fill(ranked, more, taken=first)
         rest = [q - m for q, m in zip(rest, more)]

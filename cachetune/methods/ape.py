@@ -32,6 +32,8 @@ from cachetune.runtime.forward import forward_active
 from cachetune.runtime.kv_cache import KVCache
 from cachetune.runtime.loading import LayerLoader, Pipeline
 
+ORDER = 20
+
 
 @dataclass(frozen=True)
 class APESettings:

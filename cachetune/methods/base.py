@@ -10,12 +10,18 @@ calls `prepare`, `prefill` and `finish`.
     def _epic(settings: EpicSettings) -> Method: ...
 
     make_method("cachetune:probe", EngineConfig(), ratio=0.2)   # settings from the config + overrides
+
+Every module of the `cachetune.methods` package is imported with it (its __init__), so a method
+registers itself by being a module there. A module's `ORDER` says where its methods come in
+`method_names()` and `--methods all` (lower first; ties by module name).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -36,7 +42,7 @@ from cachetune.store.base import ChunkStore, CorruptChunkError, StoredChunk
 
 
 class RankingSource(Protocol):
-    """Offline rankings by ranker name (None: the configured default); methods.rankings implements it."""
+    """Offline rankings by ranker name (None: the configured default); chunks.rankings implements it."""
 
     def ranker(self, spec: str | None = None) -> Ranker: ...
 
@@ -193,6 +199,7 @@ class Registered:
     settings: type
     suffix: str | None                # settings field that "name:<value>" sets (cachetune:<ranking>)
     summary: str
+    module: str                       # the module that registered it (its ORDER places it in listings)
 
 
 METHODS: dict[str, Registered] = {}
@@ -212,21 +219,29 @@ def register(name: str, settings: type = NoSettings, suffix: str | None = None, 
     def wrap(factory):
         if name in METHODS:
             raise ValueError(f"method {name!r} is registered twice")
-        METHODS[name] = Registered(factory, settings, suffix, summary)
+        METHODS[name] = Registered(factory, settings, suffix, summary, factory.__module__)
         return factory
 
     return wrap
 
 
 def method_names() -> list[str]:
-    """Every registered method name, in registration order."""
-    return list(METHODS)
+    """Every registered method name: by the `ORDER` of the module that registered it (lower first; a
+    module without one, such as a plug-in registered from outside the package, after all of them),
+    then by module name, then in registration order."""
+
+    def place(item: tuple[int, str]) -> tuple[float, str, int]:
+        index, name = item
+        module = METHODS[name].module
+        return getattr(sys.modules.get(module), "ORDER", math.inf), module, index
+
+    return [name for _, name in sorted(enumerate(METHODS), key=place)]
 
 
 def _entry(spec: str) -> tuple[str, Registered, str | None, dict[str, str]]:
     """'name[:arg][:key=value...]' -> (name, its entry, arg or None, the key=value settings)."""
     if not isinstance(spec, str) or not spec:
-        raise ValueError(f"a method is named by a non-empty string, got {spec!r}; known: {', '.join(METHODS)}")
+        raise ValueError(f"a method is named by a non-empty string, got {spec!r}; known: {', '.join(method_names())}")
     parts = spec.split(":")
     given: dict[str, str] = {}
     while len(parts) > 1 and _SETTING.fullmatch(parts[-1]):  # trailing key=value parts set settings
@@ -235,7 +250,7 @@ def _entry(spec: str) -> tuple[str, Registered, str | None, dict[str, str]]:
     base, sep, arg = ":".join(parts).partition(":")
     entry = METHODS.get(base)
     if entry is None:
-        raise ValueError(f"unknown method {spec!r}; known: {', '.join(METHODS)} (and cachetune:<ranking>)")
+        raise ValueError(f"unknown method {spec!r}; known: {', '.join(method_names())} (and cachetune:<ranking>)")
     if sep and entry.suffix is None:
         raise ValueError(f"method {base!r} takes no ':' argument (got {spec!r})")
     return base, entry, arg if sep else None, given
@@ -271,7 +286,7 @@ def _parse_setting(settings: type, key: str, text: str):
 
 def make_method(spec: str, config: EngineConfig | None = None, **overrides) -> Method:
     """Build the method `spec` ("name", "name:arg", either followed by ":key=value" settings, as in
-    "cachetune:first:allocation=starts") with settings taken, in order of precedence, from
+    "cachetune:first:allocation=spread") with settings taken, in order of precedence, from
     `overrides` that are not None, the settings in the name, the ":" argument, `config` (ratio,
     ranking, allocation, signal, deep_within and the trained methods' weights) and the defaults.
 

@@ -24,6 +24,8 @@ from cachetune.runtime.layout import PromptLayout, Segment
 from cachetune.runtime.prefill import Prefill, selective_prefill
 from cachetune.store.base import StoredChunk
 
+ORDER = 130
+
 
 @dataclass(frozen=True)
 class BlockAttentionSettings:

@@ -7,7 +7,8 @@ rotates them at the chunk's start plus their block-end positions and computes th
 its full-prompt positions (the question starts after the *original* lengths of the documents).
 
     c2kv                    the bundled trained extractor of the engine's model (EngineConfig.c2kv_extractor)
-    c2kv:paper              the shipped extractor built as the paper builds it (EOS-initialised C2Tokens)
+    c2kv:paper              the extractor built as the paper builds it (EOS-initialised C2Tokens); not
+                            shipped: `make c2kv-paper` builds it (c2kv.bank.built_dir())
     c2kv:step0              the untrained extractor (copies of the base projections): what training buys
     c2kv:step0+anchor       untrained, anchored C2Tokens (each starts as its block's last token)
     c2kv:path/to/file.safetensors
@@ -28,6 +29,8 @@ from cachetune.methods.compressed import compressed_rows
 from cachetune.runtime.layout import PromptLayout, Segment
 from cachetune.runtime.prefill import Prefill, compressed_prefill
 from cachetune.store.base import StoredChunk
+
+ORDER = 110
 
 
 @dataclass(frozen=True)

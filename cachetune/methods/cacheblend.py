@@ -23,36 +23,7 @@ from cachetune.methods.selector import SelectionRequest, SelectiveMethod, TokenS
 from cachetune.runtime.forward import forward_active
 from cachetune.runtime.kv_cache import KVCache
 
-
-class CacheBlendSelector(TokenSelector):
-    name = "cacheblend"
-
-    def __init__(self, check_layer: int = 1, deviation: str = "value"):
-        if check_layer < 1:
-            raise ValueError("the check layer must be >= 1 (layer 0 K/V never deviate)")
-        if deviation not in ("value", "key"):
-            raise ValueError(f"deviation must be 'value' or 'key', got {deviation!r}")
-        self.check_layer = check_layer
-        self.deviation = deviation  # CacheBlend's released code compares values (CacheSlide: keys)
-
-    @torch.no_grad()
-    def select(self, request: SelectionRequest, ratio: float) -> list[torch.Tensor]:
-        adapter, layout = request.adapter, request.layout
-        check = min(self.check_layer, adapter.num_layers - 1)
-        device = adapter.device
-        rows = torch.arange(layout.total, device=device)
-        cache = KVCache.empty(check, layout.total, adapter.num_kv_heads, adapter.head_dim, adapter.dtype, device)
-        hidden = adapter.embed(layout.input_ids.to(device))
-        hidden = forward_active(adapter, hidden, rows, cache, layers=range(check))
-        _, k, v = adapter.project_qkv(check, hidden)  # [T, Hkv, D], keys before RoPE like the store's
-        deviations = []
-        for start, seg in layout.chunk_segments:
-            n = seg.chunk.num_tokens
-            old_k, old_v = seg.chunk.load_layer(check, torch.arange(n))
-            span = slice(start, start + n)
-            new, old = (v[span], old_v) if self.deviation == "value" else (k[span], old_k)
-            deviations.append((new.float() - old.to(device).float()).pow(2).sum(dim=(1, 2)))
-        return split_global_top(deviations, ratio)
+ORDER = 70
 
 
 @dataclass(frozen=True)
@@ -65,6 +36,37 @@ class CheckLayerSettings:
         check_int("check_layer", self.check_layer, maximum=MAX_LAYERS)
 
 
+class CacheBlendSelector(TokenSelector):
+    """The chunk tokens whose `compares` ("value": CacheBlend's released code; "key": CacheSlide)
+    deviate most at `settings.check_layer` (clamped below the model's last layer), one budget over
+    the whole context."""
+
+    name = "cacheblend"
+    compares = "value"
+
+    def __init__(self, settings: CheckLayerSettings):
+        self.settings = settings
+
+    @torch.no_grad()
+    def select(self, request: SelectionRequest, ratio: float) -> list[torch.Tensor]:
+        adapter, layout = request.adapter, request.layout
+        check = min(self.settings.check_layer, adapter.num_layers - 1)
+        device = adapter.device
+        rows = torch.arange(layout.total, device=device)
+        cache = KVCache.empty(check, layout.total, adapter.num_kv_heads, adapter.head_dim, adapter.dtype, device)
+        hidden = adapter.embed(layout.input_ids.to(device))
+        hidden = forward_active(adapter, hidden, rows, cache, layers=range(check))
+        _, k, v = adapter.project_qkv(check, hidden)  # [T, Hkv, D], keys before RoPE like the store's
+        deviations = []
+        for start, seg in layout.chunk_segments:
+            n = seg.chunk.num_tokens
+            old_k, old_v = seg.chunk.load_layer(check, torch.arange(n))
+            span = slice(start, start + n)
+            new, old = (v[span], old_v) if self.compares == "value" else (k[span], old_k)
+            deviations.append((new.float() - old.to(device).float()).pow(2).sum(dim=(1, 2)))
+        return split_global_top(deviations, ratio)
+
+
 @register("cacheblend", CheckLayerSettings, summary="the `ratio` of context tokens whose values deviate most at layer 1")
 def _cacheblend(settings: CheckLayerSettings) -> Method:
-    return SelectiveMethod(CacheBlendSelector(settings.check_layer), settings)
+    return SelectiveMethod(CacheBlendSelector(settings), settings)

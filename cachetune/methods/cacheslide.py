@@ -25,14 +25,15 @@ from cachetune.methods.cacheblend import CacheBlendSelector, CheckLayerSettings
 from cachetune.methods.selector import SelectionRequest, SelectiveMethod
 from cachetune.runtime.forward import FuseFn
 
-FIRST_FUSED_LAYER = 2
+ORDER = 80
+FIRST_FUSED_LAYER = 2  # the first layer whose recomputed K/V are blended with the stored ones
 
 
 class CacheSlideSelector(CacheBlendSelector):
-    name = "cacheslide"
+    """CacheBlend's selection by key deviation, whose recomputed K/V are blended into the stored ones."""
 
-    def __init__(self, check_layer: int = 1):
-        super().__init__(check_layer, deviation="key")
+    name = "cacheslide"
+    compares = "key"
 
     def fusion(self, request: SelectionRequest, selections: list[torch.Tensor]) -> FuseFn:
         layout = request.layout
@@ -69,4 +70,4 @@ class CacheSlideSelector(CacheBlendSelector):
 @register("cacheslide", CheckLayerSettings,
           summary="like CacheBlend by key deviation, recomputed K/V blended into the cached ones")
 def _cacheslide(settings: CheckLayerSettings) -> Method:
-    return SelectiveMethod(CacheSlideSelector(settings.check_layer), settings)
+    return SelectiveMethod(CacheSlideSelector(settings), settings)

@@ -23,6 +23,8 @@ from cachetune.runtime.prefill import Prefill, compressed_prefill
 from cachetune.runtime.loading import Pipeline
 from cachetune.store.base import StoredChunk
 
+ORDER = 100
+
 
 @dataclass(frozen=True)
 class BlockSettings:

@@ -15,6 +15,7 @@ from cachetune.runtime.kv_cache import KVCache
 
 FULL_RECOMPUTE = "full_recompute"
 PREFIX = "prefix"
+ORDER = 10  # first: every other method is measured against full recompute
 
 
 class ExactMethod(Method):

@@ -25,6 +25,8 @@ from cachetune.runtime.forward import forward_active
 from cachetune.runtime.kv_cache import KVCache
 from cachetune.runtime.loading import LayerLoader, Pipeline
 
+ORDER = 120
+
 
 @dataclass(frozen=True)
 class KVLinkSettings:

@@ -14,6 +14,8 @@ from cachetune.methods.base import Method, RatioSettings, register
 from cachetune.methods.selector import SelectionRequest, SelectiveMethod, TokenSelector, split_global_top
 from cachetune.methods.signals import question_attention
 
+ORDER = 90
+
 
 class ProphetKVSelector(TokenSelector):
     name = "prophetkv"

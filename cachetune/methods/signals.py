@@ -1,21 +1,15 @@
-"""Online selection signals: per-token scores a request computes from its own layout, at a small share
-of a prefill, so a selector can pick what depends on the question and on the neighbours.
+"""The question signal: per-token scores a request computes from its own layout, at a small share of a
+prefill, so cachetune's selection can pick what this request's question needs.
 
-- `question_attention`: the question's attention over the context, read while the uncached text runs
-  over the fully reused chunks through the first `layers` layers (ProphetKV's score at a fraction of
-  its cost: ProphetKV reads every layer);
-- `value_deviation`: CacheBlend's deviation at layer 1, computed only for candidate tokens: they run
-  layer 0 in context (layer-0 K/V never depend on context, so the stored ones are exact for everyone
-  else) and their fresh layer-1 values are compared with the stored ones. For the candidates this is
-  exactly CacheBlend's score, at the cost of |candidates| / N of one layer;
-- `attended_deviation`: the two together, the question's attention to a token times how far its
-  layer-1 value moved, the deviation read only on the tokens the question attends to most (what a
-  reused token costs the answer is roughly the attention it gets times the error in its value).
+`question_attention` reads the question's attention over the context while the uncached text runs
+over the fully reused chunks through the first `layers` layers (ProphetKV's score at a fraction of
+its cost: ProphetKV reads every layer, and uses this function with all of them). It counts toward
+the request's time to first token; its scores compare across chunks. The pass may run in a cheaper
+dtype (SIGNAL_DTYPES) on a cast copy of the layers it reads.
 
-All count toward the request's time to first token. Scores compare across chunks.
 `deep_focus_price` predicts what the question's pass over every layer costs a request (the
-`deep_within` setting of methods.ranked decides by it, times the machine's measured price scale, or
-PRICE_SCALE where it has none).
+`deep_within` setting of methods.cachetune decides by it, times the machine's measured price scale,
+or PRICE_SCALE where it has none).
 """
 
 from __future__ import annotations
@@ -35,11 +29,6 @@ from cachetune.runtime.loading import LayerLoader, Pipeline
 # Layers the question signal reads: the first two carry little (positional heads); from the fourth
 # on, the gain per layer is small on SmolLM2 while the pass costs more (docs/results.md, selection).
 SIGNAL_LAYERS = 4
-# The `attended` signal reads the deviation on this many times the tokens it may pick (the question's
-# top-attended ones): the deviation pass costs |candidates| / N of a layer, so the pool stays small.
-SIGNAL_POOL = 2.0
-# The layer whose values the deviation signal compares (CacheBlend's; its pass runs the layers below).
-DEVIATION_LAYER = 1
 # The dtype a signal's pass runs in: "model" (the model's own), a DTYPES name, "auto" (bfloat16
 # where it is fast, else the model's), or "int8" (int8 weights, inputs quantized per call, the rest
 # as "auto" would run it: model.int8; on a CPU only, elsewhere as "auto"). A signal only ranks
@@ -53,7 +42,7 @@ EXTRA_ATTENTION = 0.25
 # Measured price over predicted where the machine has no calibration of its own (`cachetune
 # calibrate-price` measures it): the prediction as counted. On the 2-core AMD EPYC with AVX512-BF16
 # the measured scale is 1.05 (95% CI 0.85-1.25; Qwen2.5-1.5B, 85 rows of MuSiQue, 2WikiMQA and
-# held-out HotpotQA, scripts/price_fit.py; 0.90 by calibrate-price; docs/results.md, selection).
+# held-out HotpotQA, experiments/selection/price_fit.py; 0.90 by calibrate-price; docs/results.md, selection).
 PRICE_SCALE = 1.0
 
 
@@ -181,7 +170,7 @@ def observe_reuse(adapter: ModelAdapter, layout: PromptLayout, layers: int, obse
 
     Returns the pass's cache (every layer allocated, `capacity` rows at least, the model's dtype):
     its first `layers` layers hold every chunk row exactly as stored, so a selective prefill can
-    continue from it instead of loading them again (methods.prefill.Prefilled)."""
+    continue from it instead of loading them again (runtime.prefill.Prefilled)."""
     layers = max(1, min(layers, adapter.num_layers))
     none = [torch.empty(0, dtype=torch.int64) for _ in layout.chunk_segments]
     active_pos, parts, _ = reuse_plan(layout, none)
@@ -197,16 +186,6 @@ def observe_reuse(adapter: ModelAdapter, layout: PromptLayout, layers: int, obse
     return Prefilled(cache, layers)
 
 
-def position_weighted(scores: torch.Tensor, decay: float) -> torch.Tensor:
-    """scores [N] of one chunk x (j + 1)^-decay at in-chunk position j: what a token's recompute is
-    worth is the attention it gets times how far its reused KV drifted, and drift falls with the
-    tokens of its own chunk before it (decay 0: the scores unchanged)."""
-    if decay == 0:
-        return scores
-    weight = torch.arange(1, scores.numel() + 1, dtype=torch.float32, device=scores.device).pow(-decay)
-    return scores.float() * weight
-
-
 def question_attention(adapter: ModelAdapter, layout: PromptLayout, layers: int, pipeline: Pipeline = Pipeline(),
                        capacity: int = 0, dtype: str = "model",
                        reuse_probs: bool = True) -> tuple[list[torch.Tensor], Prefilled]:
@@ -219,69 +198,3 @@ def question_attention(adapter: ModelAdapter, layout: PromptLayout, layers: int,
     attention = observer.attend if reuse_probs else None
     prefilled = observe_reuse(adapter, layout, layers, observer, pipeline, capacity, dtype, attention)
     return per_chunk(layout, observer.mean()), prefilled
-
-
-@torch.no_grad()
-def value_deviation(adapter: ModelAdapter, layout: PromptLayout, candidates: list[torch.Tensor],
-                    check_layer: int = DEVIATION_LAYER, pipeline: Pipeline = Pipeline(),
-                    dtype: str = "model") -> list[torch.Tensor]:
-    """Per chunk [N_i]: how far each candidate's value at `check_layer` moves from the stored one when
-    it runs the layers below in context (squared L2); -inf for tokens that are not candidates.
-
-    Only the candidates and the uncached text run; everyone else's KV below the check layer is
-    reused. At check_layer 1 that is exact (layer-0 K/V do not depend on context); above it, an
-    approximation of CacheBlend's score, which runs every token in full below the check layer.
-    `dtype` (SIGNAL_DTYPES): the pass's computation; the stored values are compared in float32."""
-    check = max(1, min(check_layer, adapter.num_layers - 1))
-    run = signal_adapter(adapter, check + 1, dtype)
-    active_pos, parts, _ = reuse_plan(layout, candidates)
-    device = adapter.device
-    # The pass's cache is thrown away, so it is kept in the pass's dtype (its attention runs there too).
-    cache = KVCache.empty(check, layout.total, adapter.num_kv_heads, adapter.head_dim, run.dtype, device)
-    shape = (check, adapter.num_kv_heads, adapter.head_dim)
-    with LayerLoader(parts, shape, device, run.dtype, pipeline) as loader:
-        hidden = forward_active(run, run.embed(layout.input_ids[active_pos].to(device)),
-                                active_pos.to(device), cache, reused=loader, layers=range(check))
-    _, _, v = run.project_qkv(check, hidden)  # [T, Hkv, D], T = active tokens in position order
-    where = torch.full((layout.total,), -1, dtype=torch.int64)
-    where[active_pos] = torch.arange(active_pos.numel())
-    out = []
-    for (start, seg), chosen in zip(layout.chunk_segments, candidates):
-        scores = torch.full((seg.chunk.num_tokens,), float("-inf"))
-        if chosen.numel():
-            _, old_v = seg.chunk.load_layer(check, chosen)
-            new_v = v[where[start + chosen].to(device)]
-            scores[chosen] = (new_v.float() - old_v.to(device).float()).pow(2).sum(dim=(1, 2)).cpu()
-        out.append(scores)
-    return out
-
-
-def top_attended(attention: list[torch.Tensor], taken: list[torch.Tensor], count: int,
-                 allowed: list[bool] | None = None) -> list[torch.Tensor]:
-    """The `count` tokens of the whole context with the most attention (one [N_i] vector per chunk),
-    not `taken` and only in `allowed` chunks (None: all): one sorted int64 index tensor per chunk."""
-    allowed = allowed if allowed is not None else [True] * len(attention)
-    masked = []
-    for a, t, keep in zip(attention, taken, allowed):
-        a = a.float().clone() if keep else torch.full((a.numel(),), float("-inf"))
-        a[t] = float("-inf")
-        masked.append(a)
-    flat = torch.cat(masked) if masked else torch.empty(0)
-    count = min(count, int(torch.isfinite(flat).sum()))
-    chosen = torch.zeros(flat.numel(), dtype=torch.bool)
-    chosen[torch.topk(flat, count).indices] = True
-    return [part.nonzero().flatten() for part in torch.split(chosen, [a.numel() for a in attention])]
-
-
-def attended_deviation(adapter: ModelAdapter, layout: PromptLayout, attention: list[torch.Tensor],
-                       candidates: list[torch.Tensor], pipeline: Pipeline = Pipeline(),
-                       dtype: str = "model") -> list[torch.Tensor]:
-    """Per chunk [N_i]: attention x the L2 norm of the layer-1 value deviation (value_deviation) on
-    the candidates, -inf elsewhere. attention: the question's, one [N_i] vector per chunk."""
-    deviation = value_deviation(adapter, layout, candidates, pipeline=pipeline, dtype=dtype)
-    out = []
-    for a, d, c in zip(attention, deviation, candidates):
-        scores = torch.full((a.numel(),), float("-inf"))
-        scores[c] = a.float()[c] * d[c].clamp(min=0).sqrt()
-        out.append(scores)
-    return out

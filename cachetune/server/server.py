@@ -28,7 +28,6 @@ from fastapi.responses import Response, StreamingResponse
 from cachetune.config import ServerConfig
 from cachetune.engine.calibration import AUTO
 from cachetune.engine.engine import Engine
-from cachetune.engine.prompt import DOCUMENT_SEPARATOR
 from cachetune.engine.request import Request
 from cachetune.engine.selfcheck import ReuseRefusedError
 from cachetune.errors import RequestError
@@ -170,7 +169,7 @@ class Server:
 
     # ---- tokenizing (the tokenizer thread) ------------------------------------------------------
     def document(self, text: str) -> Document:
-        return Document(self.engine.tokenize(text + DOCUMENT_SEPARATOR), self.engine.tokenize(text))
+        return Document(self.engine.template.document(text), self.engine.tokenize(text))
 
     def prepare(self, body: GenerationFields) -> Prepared:
         engine = self.engine
@@ -272,14 +271,12 @@ class Server:
 
     def _add(self, body: GenerationFields, prepared: Prepared, new_tokens: int, choices: list[Choice]) -> None:
         engine = self.engine
-        ratio = body.ratio
-        if ratio is None and self.config.auto_ratio and engine.calibrated_ratios():
-            ratio = AUTO  # calibrated for this machine: the server's default
+        ratio = engine.request_ratio(body.ratio, self.config.auto_ratio)
         try:
             method = engine.method(body.method, None if ratio == AUTO else ratio)
         except (KeyError, ValueError) as exc:
             raise ApiError(400, str(exc.args[0]) if exc.args else str(exc), "method") from None
-        why = method.unavailable(engine.context)
+        why = engine.unavailable(method)
         if why:
             raise ApiError(400, f"method {method.name!r} cannot serve here: {why}", "method")
         documents = self._resolve(body, prepared, new_tokens)

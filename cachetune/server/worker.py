@@ -129,7 +129,7 @@ class EngineWorker:
             self.snapshot = self._snapshot()
 
     def _fail_running(self) -> None:
-        for request in list(self.engine.scheduler.running):
+        for request in self.engine.running_requests():
             request.error = RuntimeError("the engine step failed")
             self.engine.abort(request)
 

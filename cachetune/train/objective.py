@@ -87,9 +87,7 @@ def sample_loss(adapter: ModelAdapter, tokens: torch.nn.Module, sample: Sample, 
 
 def build_sample(engine, drawn) -> Sample:
     """Tokens of a drawn example laid out as the engine serves it (documents end with the separator)."""
-    from cachetune.eval.harness import DOCUMENT_SEPARATOR
-
     head, question = engine.template.segments(drawn.system, drawn.example.question)
-    docs = [engine.tokenize(d + DOCUMENT_SEPARATOR) for d in drawn.documents]
+    docs = [engine.template.document(d) for d in drawn.documents]
     answer = torch.cat([engine.tokenize(drawn.example.answers[0]), torch.tensor([engine.eos_id()])])
     return Sample(head, docs, question, answer)

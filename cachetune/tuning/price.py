@@ -23,7 +23,7 @@ from cachetune.config import EngineConfig
 from cachetune.engine.calibration import KINDS, PRICE, CalibrationKey
 from cachetune.engine.engine import Engine
 from cachetune.runtime.layout import PromptLayout
-from cachetune.methods.ranked import DEEP_DTYPE, DEEP_START_SHARE
+from cachetune.methods.cachetune import DEEP_DTYPE, DEEP_START_SHARE
 from cachetune.methods.signals import deep_focus_price
 from cachetune.tuning.calibrate import prefill_seconds
 
