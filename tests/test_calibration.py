@@ -1,6 +1,6 @@
-"""Hardware-aware recompute ratio (issue 15): the cost model, the golden-section search, the
+"""Hardware-aware recompute ratio: the cost model, the golden-section search, the
 calibration file, throttled tiers, ratio="auto" in the engine, and calibration end to end on a tiny
-model over a real (throttled) disk tier. Deep focus's measured price (issue 16) in the same file."""
+model over a real (throttled) disk tier. Deep focus's measured price in the same file."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The training-free 4x controls of issue 12: one KV row per block of 4 chunk tokens at the block's last
+"""The training-free 4x controls beside C2KV: one KV row per block of 4 chunk tokens at the block's last
 position, against Hugging Face's forward over a cache built from the same rows."""
 
 from __future__ import annotations
