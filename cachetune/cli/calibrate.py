@@ -28,6 +28,15 @@ def _calibration_config(args, min_ratio: float):
                              repeats=args.repeats)
 
 
+def _report_and_save(eng, report: dict, table: str, args, save) -> int:
+    """Print and write the report; with --save, store it in the engine's calibration file via `save`."""
+    report_out(report, table, args.json)
+    if args.save:
+        key = save(eng, report)
+        print(f"saved for {key.text()} in {eng.calibration.path}", file=sys.stderr)
+    return 0
+
+
 def cmd_calibrate(args) -> int:
     from cachetune.config import parse_tiers
     from cachetune.eval.bench_batch import example_prompt
@@ -44,11 +53,7 @@ def cmd_calibrate(args) -> int:
     table = (f"tier {report['tier']}: calibrated r = {report['ratio']:.3f} (warm start {report['warm_start']:.3f}, "
              f"r_min {report['config']['min_ratio']:g}; {len(report['probes'])} probes in {report['seconds']:.0f} s)\n"
              f"probes (r: mean TTFT): {probes}")
-    report_out(report, table, args.json)
-    if args.save:
-        key = save_calibration(eng, report)
-        print(f"saved for {key.text()} in {eng.calibration.path}", file=sys.stderr)
-    return 0
+    return _report_and_save(eng, report, table, args, save_calibration)
 
 
 def cmd_calibrate_price(args) -> int:
@@ -59,11 +64,7 @@ def cmd_calibrate_price(args) -> int:
     prompts = [example_prompt(eng, ex, args.docs) for ex in _calibration_examples(args)]
     report = measure_price(eng, prompts, eng.config.ratio, args.repeats)
     report["data"] = args.data
-    report_out(report, format_price(report), args.json)
-    if args.save:
-        key = save_price(eng, report)
-        print(f"saved for {key.text()} in {eng.calibration.path}", file=sys.stderr)
-    return 0
+    return _report_and_save(eng, report, format_price(report), args, save_price)
 
 
 def cmd_bench_calibrate(args) -> int:
