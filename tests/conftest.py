@@ -193,7 +193,7 @@ def hf_forward(model, ids: torch.Tensor, position_ids: torch.Tensor | None = Non
     kwargs = {}
     if position_ids is not None:
         kwargs["position_ids"] = position_ids[None].to(model.device)
-    out = model(input_ids=ids[None].to(model.device), cache=cache, use_cache=True, **kwargs)
+    out = model(input_ids=ids[None].to(model.device), past_key_values=cache, use_cache=True, **kwargs)
     return out.logits[0].float(), cache
 
 

@@ -1,6 +1,6 @@
 """DocumentIndex: registered documents found inside a plain prompt's tokens."""
 
-from cachetune.server.found import DocumentIndex, Found
+from cachetune.chunks.found import DocumentIndex, Found
 
 
 def test_a_document_followed_by_its_separator_is_its_chunk_and_one_followed_by_other_text_its_body():

@@ -20,7 +20,7 @@ LAYERS = [
     {"methods"},
     {"engine"},
     {"eval", "server", "tuning"},
-    {"train"},
+    {"train", "vllm"},
     {"cli"},
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 
 from cachetune.errors import CachetuneError, ModelLoadError
 from cachetune.model import loader, presets
-from cachetune.model.loader import load_model, model_fingerprint
+from cachetune.model.loader import load_model, model_directory, model_fingerprint
 from cachetune.model.presets import PRESETS, PresetUnavailableError, assemble_parts, is_verified, resolve_preset
 
 VOCAB = 64
@@ -113,6 +113,13 @@ def test_unknown_spec_raises(tmp_path: Path) -> None:
         load_model(str(tmp_path), cache_dir=tmp_path)  # a dir without config.json
     with pytest.raises(ValueError, match="qwen2.5-coder-1.5b"):
         resolve_preset("nope", tmp_path)
+
+
+def test_model_directory_is_the_directory_load_model_reads(model_dir: Path, tmp_path: Path) -> None:
+    assert model_directory(model_dir) == model_dir
+    assert load_model(model_directory(model_dir)).source == model_dir
+    with pytest.raises(ValueError, match="preset"):
+        model_directory(str(tmp_path / "nothing-here"), cache_dir=tmp_path)
 
 
 @pytest.fixture

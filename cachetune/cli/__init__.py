@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_bench(sub)
     bench.add_bench_batch(sub)
     bench.add_bench_pipeline(sub)
+    bench.add_bench_vllm(sub)
     calibrate.add_calibrate(sub)
     calibrate.add_calibrate_price(sub)
     calibrate.add_bench_calibrate(sub)

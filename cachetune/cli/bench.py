@@ -33,10 +33,7 @@ def cmd_bench_batch(args) -> int:
     eng = engine(args)
     report = run_bench_batch(eng, sets, cfg)
     report["data"] = {name: spec for name, spec in (("short", args.short), ("long", args.long)) if spec}
-    report_out(report, format_batch_table(report), args.json)
-    if args.json:
-        plot = plot_batch(report, Path(args.json).with_suffix(".png"))
-        print(f"wrote {plot}", file=sys.stderr)
+    report_out(report, format_batch_table(report), args.json, plot_batch)
     return 0 if all(r["tokens_equal_alone"] for r in report["rows"]) else 1
 
 
@@ -58,9 +55,7 @@ def cmd_bench_pipeline(args) -> int:
     examples = load_dataset(args.data, args.limit)
     report = run_bench_pipeline(engine(args), examples, cfg)
     report["data"] = args.data
-    report_out(report, format_pipeline_table(report), args.json)
-    if args.json:
-        print(f"wrote {plot_pipeline([report], Path(args.json).with_suffix('.png'))}", file=sys.stderr)
+    report_out(report, format_pipeline_table(report), args.json, lambda r, png: plot_pipeline([r], png))
     return 0
 
 
@@ -156,3 +151,40 @@ def add_bench_serve(sub) -> None:
     bs.add_argument("--wait", type=float, default=0, help="seconds to wait for the server's /health first [0]")
     bs.add_argument("--out", default="results/serve", help="writes bench_serve.json, .md, ttft_vs_rate.png here")
     bs.set_defaults(func=cmd_bench_serve)
+
+
+def cmd_bench_vllm(args) -> int:
+    from cachetune.eval.datasets import load_dataset
+    from cachetune.vllm.bench import CONCURRENT, VllmBenchConfig, format_vllm_table, plot_vllm, run_bench_vllm
+
+    methods = tuple(m for m in args.methods.split(",") if m)
+    cfg = VllmBenchConfig(methods=methods, ratio=args.ratio, threads=args.threads, decode_tokens=args.decode_tokens,
+                          enforce_eager=args.enforce_eager, short_documents=args.short_docs)
+    short = load_dataset(args.short, CONCURRENT) if args.short else []
+    report = run_bench_vllm(load_dataset(args.data, args.limit), cfg, short)
+    report["data"] = {"long": args.data, "short": args.short}
+    report_out(report, format_vllm_table(report), args.json, plot_vllm)
+    return 0
+
+
+def add_bench_vllm(sub) -> None:
+    from cachetune.vllm.bench import VllmBenchConfig
+
+    defaults = VllmBenchConfig()
+    bv = sub.add_parser("bench-vllm", help="vLLM's own prefill against vLLM with the cachetune connector and "
+                                           "the standalone engine, documents reordered (needs `make vllm`)")
+    bv.add_argument("--data", default="musique", help="dataset of the TTFT rows and the long prompts [musique]")
+    bv.add_argument("--short", default="2wikimqa", help="dataset of the short prompts decode also runs on ('' to "
+                                                         "skip) [2wikimqa]")
+    bv.add_argument("--short-docs", type=int, default=defaults.short_documents,
+                    help=f"documents per short prompt [{defaults.short_documents}: about 1.4K tokens]")
+    bv.add_argument("--limit", type=int, default=3, help="examples [3]")
+    bv.add_argument("--methods", default=",".join(defaults.methods),
+                    help=f"connector methods [{','.join(defaults.methods)}]")
+    bv.add_argument("--ratio", type=float, default=defaults.ratio, help=f"recompute budget [{defaults.ratio}]")
+    bv.add_argument("--threads", type=int, default=defaults.threads, help=f"CPU threads of every arm [{defaults.threads}]")
+    bv.add_argument("--decode-tokens", type=int, default=defaults.decode_tokens,
+                    help=f"tokens each of the 8 concurrent requests decodes [{defaults.decode_tokens}]")
+    bv.add_argument("--enforce-eager", action="store_true", help="run vLLM without compilation (starts faster)")
+    bv.add_argument("--json", help="write the report here, a .md table and a .png plot beside it")
+    bv.set_defaults(func=cmd_bench_vllm)

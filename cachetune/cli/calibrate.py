@@ -82,9 +82,7 @@ def cmd_bench_calibrate(args) -> int:
     report = run_bench_calibrate(load_model(cfg_engine.model, dtype=cfg_engine.torch_dtype), cfg_engine, examples,
                                  cfg, args.docs, progress_file=progress_file)
     report["data"] = args.data
-    report_out(report, format_table(report), args.json)
-    if args.json:
-        print(f"wrote {plot_sweeps(report, Path(args.json).with_suffix('.png'))}", file=sys.stderr)
+    report_out(report, format_table(report), args.json, plot_sweeps)
     return 0
 
 

@@ -115,8 +115,9 @@ def datasets(args, default: str) -> dict:
     return out
 
 
-def report_out(report: dict, table: str, json_path: str | None) -> None:
-    """Print the table; with a path, write the report there as JSON and the table beside it (.md)."""
+def report_out(report: dict, table: str, json_path: str | None, plot=None) -> None:
+    """Print the table; with a path, write the report there as JSON, the table beside it (.md) and,
+    given `plot(report, png_path)`, a plot (.png)."""
     from cachetune.eval.report import write_json
 
     print(table)
@@ -124,3 +125,5 @@ def report_out(report: dict, table: str, json_path: str | None) -> None:
         write_json(report, json_path)
         Path(json_path).with_suffix(".md").write_text(table + "\n")
         print(f"wrote {json_path}", file=sys.stderr)
+        if plot is not None:
+            print(f"wrote {plot(report, Path(json_path).with_suffix('.png'))}", file=sys.stderr)

@@ -61,23 +61,12 @@ def load_model(
     cache_dir: Path | None = None,
 ) -> LoadedModel:
     """Load ``spec``: a preset name (None = smollm2-135m), an HF model directory or a .gguf file."""
-    name = str(spec) if spec is not None else DEFAULT_PRESET
+    name, directory, gguf = _resolve(spec)
+    if directory is not None:
+        model, tokenizer = _load_hf_dir(directory, dtype)  # a plain HF directory is used in place
+        return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=directory)
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-
-    path = Path(name).expanduser()
-    if name in PRESETS:
-        gguf = resolve_preset(name, cache_dir)
-    elif path.is_dir() and (path / "config.json").is_file():
-        model, tokenizer = _load_hf_dir(path, dtype)  # a plain HF directory is used in place
-        return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=path)
-    elif path.is_file() and path.suffix == ".gguf":
-        gguf = path
-    else:
-        raise ModelLoadError(
-            f"unknown model {name!r}: not a preset ({', '.join(PRESETS)}), "
-            "nor a directory with config.json, nor a .gguf file"
-        )
-
+    gguf = gguf or resolve_preset(name, cache_dir)
     source = _cached_gguf_dir(gguf, dtype, cache_dir)
     try:
         model, tokenizer = _load_hf_dir(source, dtype)
@@ -86,6 +75,32 @@ def load_model(
         source = _cached_gguf_dir(gguf, dtype, cache_dir, rebuild=True)
         model, tokenizer = _load_hf_dir(source, dtype)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=source)
+
+
+def model_directory(spec: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32,
+                    cache_dir: Path | None = None) -> Path:
+    """The plain HF directory (config.json, safetensors, tokenizer) that `load_model(spec, dtype)` loads
+    from: a preset's or a .gguf file's converted weights (built on first use), or the directory itself.
+    Other runtimes (vLLM) load the same weights from it."""
+    name, directory, gguf = _resolve(spec)
+    if directory is not None:
+        return directory
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return _cached_gguf_dir(gguf or resolve_preset(name, cache_dir), dtype, cache_dir)
+
+
+def _resolve(spec: str | os.PathLike[str] | None) -> tuple[str, Path | None, Path | None]:
+    """(name, an HF directory used in place or None, a .gguf file or None); a preset gives neither."""
+    name = str(spec) if spec is not None else DEFAULT_PRESET
+    path = Path(name).expanduser()
+    if name in PRESETS:
+        return name, None, None
+    if path.is_dir() and (path / "config.json").is_file():
+        return name, path, None
+    if path.is_file() and path.suffix == ".gguf":
+        return name, None, path
+    raise ModelLoadError(f"unknown model {name!r}: not a preset ({', '.join(PRESETS)}), "
+                         "nor a directory with config.json, nor a .gguf file")
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:

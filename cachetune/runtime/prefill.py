@@ -62,13 +62,13 @@ def full_prefill(adapter: ModelAdapter, layout: PromptLayout, capacity: int) -> 
     keep = None if sink is None else adapter.backbone.norm.register_forward_pre_hook(
         lambda _, args: sink.keep(adapter, torch.arange(layout.total), args[0][0]))  # every token, before the norm
     try:
-        out = adapter.model(input_ids=ids[None], cache=DynamicCache(), use_cache=True, logits_to_keep=1)
+        out = adapter.model(input_ids=ids[None], past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
     finally:
         if keep is not None:
             keep.remove()
     n = layout.total
     chunk_tokens = sum(s.token_ids.numel() for _, s in layout.chunk_segments)
-    return Prefill(out.cache, out.logits[0, -1].float(), n, n, chunk_tokens, capacity)
+    return Prefill(out.past_key_values, out.logits[0, -1].float(), n, n, chunk_tokens, capacity)
 
 
 def reuse_plan(layout: PromptLayout, selections: list[torch.Tensor]

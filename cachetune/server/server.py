@@ -34,7 +34,7 @@ from cachetune.errors import RequestError
 from cachetune.methods import check_request_method, method_settings
 from cachetune.runtime.layout import PromptLayout, Segment
 from cachetune.runtime.decode import SamplingConfig
-from cachetune.server.found import DocumentIndex, Found
+from cachetune.chunks.found import DocumentIndex, Found
 from cachetune.server.http import ApiError, is_loopback
 from cachetune.server.metrics import ServerMetrics
 from cachetune.server.protocol import ChatCompletionRequest, CompletionRequest, DocumentById, GenerationFields, \
