@@ -84,8 +84,9 @@ $(VLLM_STAMP): $(STAMP)
 
 # vLLM alone, vLLM with the connector (full_reuse, epic, cacheblend, the default) and the standalone
 # engine on the same MuSiQue prompts with the documents reordered (JSON, table and PNG).
+VLLM_BENCH_JSON ?= results/vllm/bench_smollm2_fp32.json
 bench-vllm: vllm
-	$(VENV)/bin/cachetune bench-vllm --data musique --limit 8 --json results/vllm/bench_smollm2_fp32_avx2.json
+	$(VENV)/bin/cachetune bench-vllm --data musique --limit 8 --json $(VLLM_BENCH_JSON)
 
 bench-qwen: qwen
 	$(VENV)/bin/cachetune bench --model qwen2.5-coder-1.5b --dtype bfloat16 \

@@ -110,6 +110,12 @@ def test_rows_read_back_from_vllms_paged_cache_are_exactly_what_its_backend_wrot
     assert llm.collective_rpc("cachetune_layout_error") == [0.0]
 
 
+def test_the_blends_attention_runs_on_vllms_kernel_and_equals_the_runtimes(served):
+    llm, _, _ = served
+    [error] = llm.collective_rpc("cachetune_attention_error")
+    assert error is not None and error < 1e-5
+
+
 def test_full_ratio_inside_vllm_equals_vllms_own_prefill(served):
     llm, engine, _ = served
     docs = _docs(engine)

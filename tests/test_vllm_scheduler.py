@@ -21,14 +21,15 @@ def side(**settings) -> SchedulerSide:
     return scheduler
 
 
-def test_the_claim_runs_from_vllms_computed_prefix_to_the_end_of_the_last_document():
+def test_the_claim_runs_from_vllms_computed_prefix_to_the_prompts_last_token():
     prompt = HEAD + DOC_B + [5] + DOC_A + QUESTION
     scheduler = side()
-    assert scheduler.matched("r", prompt, None, SALT, 0) == len(HEAD + DOC_B + [5] + DOC_A)
-    assert scheduler.matched("r", prompt, None, SALT, 4) == len(HEAD + DOC_B + [5] + DOC_A) - 4
-    scheduler.allocated("r", prompt, [7, 9], len(HEAD + DOC_B + [5] + DOC_A) - 4)
+    last = len(prompt) - 1
+    assert scheduler.matched("r", prompt, None, SALT, 0) == last
+    assert scheduler.matched("r", prompt, None, SALT, 4) == last - 4
+    scheduler.allocated("r", prompt, [7, 9], last - 4)
     [job] = scheduler.step_jobs([], [], {}).blends
-    assert (job.start, job.end) == (4, len(HEAD + DOC_B + [5] + DOC_A))
+    assert (job.start, job.end) == (4, last)
     assert job.documents == [(len(HEAD), "b"), (len(HEAD + DOC_B) + 1, "a")]
     assert job.block_ids == [7, 9] and job.method == "cachetune"
     assert scheduler.step_jobs([], [], {}).blends == []  # a job goes to the worker once
@@ -39,7 +40,7 @@ def test_nothing_is_claimed_without_a_blend_salt_or_when_vllm_has_it_all():
     scheduler = side()
     assert scheduler.matched("r", prompt, None, None, 0) == 0
     assert scheduler.matched("r", prompt, None, "tenant-7", 0) == 0
-    assert scheduler.matched("r", prompt, None, SALT, len(HEAD + DOC_A)) == 0
+    assert scheduler.matched("r", prompt, None, SALT, len(prompt) - 1) == 0
     assert scheduler.counters["unsalted_with_documents"] == 2
 
 
@@ -47,20 +48,21 @@ def test_the_prompts_last_token_is_never_claimed():
     scheduler = side()
     assert scheduler.matched("r", HEAD + DOC_A, None, SALT, 0) == 0  # the document ends the prompt
     assert scheduler.matched("r", HEAD + DOC_A + [9], None, SALT, 0) == len(HEAD + DOC_A)
+    assert scheduler.matched("r", HEAD + DOC_A + QUESTION, None, SALT, 0) == len(HEAD + DOC_A + QUESTION) - 1
 
 
 def test_named_documents_are_used_in_any_order_only_where_their_tokens_are():
     prompt = HEAD + DOC_A + DOC_B + [5] + DOC_A + QUESTION
     scheduler = side()
     named = {"cachetune": {"documents": ["b", "a"]}}
-    assert scheduler.matched("r", prompt, named, SALT, 0) == len(prompt) - len(QUESTION)
-    scheduler.allocated("r", prompt, [0], len(prompt) - len(QUESTION))
+    assert scheduler.matched("r", prompt, named, SALT, 0) == len(prompt) - 1
+    scheduler.allocated("r", prompt, [0], len(prompt) - 1)
     [job] = scheduler.step_jobs([], [], {}).blends
     assert job.documents == [(3, "a"), (3 + len(DOC_A), "b"), (4 + len(DOC_A + DOC_B), "a")]
     only_b = {"cachetune": {"documents": ["b"]}}
-    assert scheduler.matched("o", prompt, only_b, SALT, 0) == len(HEAD + DOC_A + DOC_B)
+    assert scheduler.matched("o", prompt, only_b, SALT, 0) == len(prompt) - 1
     shared = HEAD + [301, 302, 303, 304] + QUESTION  # a document only a shared tier knows
-    assert scheduler.matched("s", shared, {"cachetune": {"documents": ["shared"]}}, SALT, 0) == len(HEAD) + 4
+    assert scheduler.matched("s", shared, {"cachetune": {"documents": ["shared"]}}, SALT, 0) == len(shared) - 1
     assert scheduler.matched("t", prompt, {"cachetune": {"documents": ["unknown"]}}, SALT, 0) == 0
 
 
@@ -68,7 +70,7 @@ def test_without_find_documents_only_requests_with_parameters_are_looked_at():
     prompt = HEAD + DOC_A + QUESTION
     scheduler = side(find_documents=False)
     assert scheduler.matched("r", prompt, None, SALT, 0) == 0
-    assert scheduler.matched("r", prompt, {"cachetune": {}}, SALT, 0) == len(HEAD + DOC_A)
+    assert scheduler.matched("r", prompt, {"cachetune": {}}, SALT, 0) == len(prompt) - 1
 
 
 def test_a_registration_is_saved_in_the_step_that_computes_its_last_token_and_returns_its_id():
@@ -81,7 +83,7 @@ def test_a_registration_is_saved_in_the_step_that_computes_its_last_token_and_re
     [save] = scheduler.step_jobs([], [("r", [6], 3)], {"r": 2}).saves
     assert (save.chunk_id, save.tokens, save.block_ids) == (cid, document, [4, 6])
     assert scheduler.finished("r") == {"cachetune": {"document": cid}}
-    assert scheduler.matched("q", HEAD + document + QUESTION, None, SALT, 0) == len(HEAD + document)
+    assert scheduler.matched("q", HEAD + document + QUESTION, None, SALT, 0) == len(HEAD + document + QUESTION) - 1
 
 
 def test_bad_request_parameters_are_refused_clearly_and_counted():
@@ -108,16 +110,17 @@ def test_the_connector_config_loads_this_connector_and_recomputes_failed_loads()
 
 def test_blends_per_step_defers_further_claims_to_a_later_step():
     prompt = HEAD + DOC_A + QUESTION
+    claim = len(prompt) - 1
     scheduler = side(blends_per_step=1)
-    assert scheduler.matched("r", prompt, None, SALT, 0) == len(HEAD + DOC_A)
-    scheduler.allocated("r", prompt, [0], len(HEAD + DOC_A))
+    assert scheduler.matched("r", prompt, None, SALT, 0) == claim
+    scheduler.allocated("r", prompt, [0], claim)
     assert scheduler.matched("s", prompt, None, SALT, 0) is None  # this step has its blend
     scheduler.step_jobs([], [], {})
-    assert scheduler.matched("s", prompt, None, SALT, 0) == len(HEAD + DOC_A)
+    assert scheduler.matched("s", prompt, None, SALT, 0) == claim
     unbounded = side(blends_per_step=0)
     for name in "rst":
-        assert unbounded.matched(name, prompt, None, SALT, 0) == len(HEAD + DOC_A)
-        unbounded.allocated(name, prompt, [0], len(HEAD + DOC_A))
+        assert unbounded.matched(name, prompt, None, SALT, 0) == claim
+        unbounded.allocated(name, prompt, [0], claim)
     assert len(unbounded.step_jobs([], [], {}).blends) == 3
     with pytest.raises(ValueError, match="blends_per_step"):
         ConnectorSettings(blends_per_step=-1)

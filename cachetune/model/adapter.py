@@ -50,6 +50,11 @@ class LayerInfo:
 class ModelAdapter:
     """Layer-by-layer access to a supported `transformers` causal LM (batch size 1)."""
 
+    # A serving engine's own kernel for the runtime's causal attention of scattered queries, called as
+    # kernel(layer, q, keys, values, q_pos, scale, sliding_window, plan) with the contract of
+    # runtime.attention.sparse_causal_attention (plan: its blocks for q_pos); None: the runtime's.
+    attention_kernel = None
+
     def __init__(self, model: PreTrainedModel):
         config = model.config
         model_type = getattr(config, "model_type", None)

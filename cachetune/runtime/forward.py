@@ -170,6 +170,9 @@ def forward_active(
             q, hidden, q_rows, layer_plan = q[-1:], hidden[-1:], last_rows, last_plan
         if attention is not None:
             attn = attention(layer, q, cache, q_rows)
+        elif adapter.attention_kernel is not None:
+            attn = adapter.attention_kernel(layer, q, cache.keys[layer, :end], cache.values[layer, :end], q_rows,
+                                            info.scale, info.sliding_window, layer_plan)
         else:
             attn = sparse_causal_attention(
                 q, cache.keys[layer, :end], cache.values[layer, :end], q_rows, info.scale, info.sliding_window,

@@ -3,8 +3,9 @@
 `VllmAdapter` offers what `cachetune.model.adapter.ModelAdapter` offers the runtime (embed, Q/K/V before
 RoPE, rotation, output projection and MLP, logits), over a model vLLM loaded: its norms, fused QKV
 projection, rotary cache, output projection and MLP. Attention is never the model's own module, which
-reads the current batch's forward context: the runtime attends over its dense staging rows. So a
-blend inside vLLM runs the weights vLLM serves with, and no second copy of the model exists.
+reads the current batch's forward context: the runtime attends over its dense staging rows, with vLLM's
+own CPU kernel where it applies (vllm.attention). So a blend inside vLLM runs the weights and kernels
+vLLM serves with, and no second copy of the model exists.
 
 Tensors here have no batch dimension: hidden [T, hidden], q [T, Hq, D], k/v [T, Hkv, D].
 """
@@ -16,6 +17,7 @@ import copy
 import torch
 
 from cachetune.model.adapter import LayerInfo, UnsupportedModelError
+from cachetune.vllm.attention import PagedCausalAttention
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -61,6 +63,7 @@ class VllmAdapter:
             window = None if window in (None, -1) else (window[0] + 1 if isinstance(window, tuple) else window)
             self.layer_info.append(LayerInfo(float(impl.scale), window, None))
         self._cos_sin = rotary.cos_sin_cache  # [max positions, D]: cos halves then sin halves
+        self.attention_kernel = PagedCausalAttention(layers)
 
     @property
     def device(self) -> torch.device:

@@ -279,7 +279,7 @@ def plot_vllm(report: dict, path) -> str:
     ax.barh([r["method"] for r in rows], [r["ttft_ms_median"] / 1000 for r in rows], color="tab:blue")
     ax.set_xlabel("time to first token, median (s)")
     ax.invert_yaxis()
-    ax.set_title("Reordered documents: vLLM alone, vLLM with the cachetune connector, the standalone engine")
+    ax.set_title("Reordered documents: vLLM alone, with the connector (vllm+), the standalone engine", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

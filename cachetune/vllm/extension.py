@@ -25,6 +25,10 @@ class CachetuneWorkerExtension:
         """The round-trip error of reading vLLM's paged cache back (0.0: exact)."""
         return self._cachetune_worker().layout_error()
 
+    def cachetune_attention_error(self) -> float | None:
+        """How far the blend's attention on vLLM's kernel is from the runtime's (None: not on the kernel)."""
+        return self._cachetune_worker().attention_error()
+
     def _cachetune_worker(self):
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 

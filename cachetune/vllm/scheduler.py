@@ -6,9 +6,11 @@ What it decides reaches the worker as `BlendJob`s and `SaveJob`s in the step's c
 
 Contract with vLLM's scheduler:
 - `matched(request, computed)` claims one contiguous span [computed, end): from vLLM's own computed
-  prefix to the end of the last document found, never the prompt's last token (vLLM computes at least
-  one token, and with it the first logits). The worker fills every row of the span, the text between
-  documents included. It has no side effect beyond remembering the claim for `allocated`.
+  prefix to the prompt's last token, which stays vLLM's (it computes at least one token, and with it
+  the first logits). The worker fills every row of the span, the text between and after documents
+  included: its blend computes the question anyway, so vLLM computing it again would only add time.
+  A request is claimed only when a document is found before its last token. `matched` has no side
+  effect beyond remembering the claim for `allocated`.
 - A request without cachetune parameters is looked at only when `find_documents` is on; a request
   whose cache_salt does not allow blending (config.may_blend) is never claimed.
 - At most `blends_per_step` requests are claimed per step: `matched` answers None ("ask again") for
@@ -44,7 +46,7 @@ class BlendJob:
     prompt: list[int]                # every prompt token id (the blend sees the question too)
     start: int
     end: int
-    documents: list[tuple[int, str]]  # (prompt position, chunk id) of each document before `end`
+    documents: list[tuple[int, str]]  # (prompt position, chunk id) of each document in the prompt
     block_ids: list[int]
     method: str
     ratio: float | None
@@ -136,7 +138,7 @@ class SchedulerSide:
         if not may_blend(cache_salt):
             self.counters["unsalted_with_documents"] += 1
             return 0
-        end = found[-1][1]
+        end = len(prompt) - 1
         if end <= computed:
             return 0
         limit = self.settings.blends_per_step

@@ -37,6 +37,7 @@ from cachetune.store.base import ChunkStore, CorruptChunkError
 from cachetune.store.blob import ModelShape
 from cachetune.store.tiered import build_store
 from cachetune.vllm.adapter import VllmAdapter
+from cachetune.vllm.attention import kernel_error
 from cachetune.vllm.config import ConnectorSettings
 from cachetune.vllm.paged import BlockLayout, round_trip_error, slots_of, write_rows
 from cachetune.vllm.scheduler import BlendJob, SaveJob, StepJobs
@@ -99,6 +100,13 @@ class WorkerSide:
         adapter = self.adapter
         return max(round_trip_error(layer.self_attn.attn, packing, adapter.num_kv_heads, adapter.head_dim)
                    for layer, packing in zip(adapter.layers, self.layouts()))
+
+    def attention_error(self) -> float | None:
+        """The largest difference between the blend's attention on vLLM's kernel and the runtime's
+        (vllm.attention.kernel_error); None when no layer runs on vLLM's kernel."""
+        adapter = self.adapter
+        return kernel_error(adapter.attention_kernel, adapter.num_heads, adapter.num_kv_heads, adapter.head_dim,
+                            adapter.dtype, [info.scale for info in adapter.layer_info])
 
     # ---- before the forward -------------------------------------------------------------------
     def blend_all(self, jobs: StepJobs) -> None:
