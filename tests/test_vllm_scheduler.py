@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachetune.vllm.config import ConnectorSettings, RequestParams, blend_salt, connector_config
+from cachetune.vllm.config import ConnectorSettings, RequestParams, blend_salt, connector_config, salt_for
 from cachetune.vllm.scheduler import SchedulerSide
 
 SALT = blend_salt("cachetune")
@@ -124,3 +124,27 @@ def test_blends_per_step_defers_further_claims_to_a_later_step():
     assert len(unbounded.step_jobs([], [], {}).blends) == 3
     with pytest.raises(ValueError, match="blends_per_step"):
         ConnectorSettings(blends_per_step=-1)
+
+
+def test_an_openai_client_may_name_documents_at_the_top_of_kv_transfer_params():
+    assert RequestParams.of({"documents": ["a"], "ratio": 0.3, "do_remote_prefill": False}) == \
+        RequestParams(("a",), None, 0.3)
+    assert RequestParams.of({"do_remote_prefill": False}) is None  # another connector's parameters
+    scheduler = side()
+    prompt = HEAD + DOC_B + DOC_A + QUESTION
+    assert scheduler.matched("r", prompt, {"documents": ["a"]}, SALT, 0) == len(prompt) - 1
+    scheduler.allocated("r", prompt, [0], len(prompt) - 1)
+    [job] = scheduler.step_jobs([], [], {}).blends
+    assert job.documents == [(len(HEAD + DOC_B), "a")]
+    assert scheduler.finished("r") == {"cachetune": {"documents": ["a"], "filled_tokens": len(prompt) - 1,
+                                                     "method": "cachetune"}}
+
+
+def test_requests_with_cachetune_parameters_get_a_blend_salt_that_keeps_tenants_apart():
+    assert salt_for({"documents": ["a"]}, None) == blend_salt("")
+    assert salt_for({"cachetune": {"method": "epic"}}, "tenant-7") == blend_salt("epic", "tenant-7")
+    assert salt_for({"documents": ["a"]}, "tenant-7") != salt_for({"documents": ["a"]}, "tenant-8")
+    assert salt_for({"documents": ["a"]}, blend_salt("")) is None  # already blendable
+    assert salt_for(None, None) is None and salt_for({"do_remote_prefill": False}, None) is None
+    assert salt_for({"cachetune": {"register": True}}, None) is None  # a registration is a plain prefill
+    assert salt_for({"documents": "a"}, None) is None  # bad parameters: the connector reports them

@@ -1,5 +1,5 @@
 """Command line: `demo` shows one question answered with and without reuse, `ask` answers over
-documents, `serve` runs the HTTP server, `eval` / `bench` compare methods, `bench-batch` measures
+documents, `serve` runs the HTTP server, `vllm-serve` vLLM's with cachetune inside, `eval` / `bench` compare methods, `bench-batch` measures
 concurrent serving, `bench-serve` a running server, `analyze` probes. Every command that runs the
 engine takes one flag per EngineConfig field (derived from the dataclass, so a new setting is a new
 flag) plus `--config`."""
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_calibrate_price(sub)
     calibrate.add_bench_calibrate(sub)
     serve.add_serve(sub)
+    serve.add_vllm_serve(sub)
     bench.add_bench_serve(sub)
     analyze.add_analyze(sub)
     train.add_c2kv(sub)

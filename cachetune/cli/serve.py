@@ -1,8 +1,11 @@
-"""Serving: `ask` answers one question over documents, `serve` runs the OpenAI-compatible server."""
+"""Serving: `ask` answers one question over documents, `serve` runs the OpenAI-compatible server,
+`vllm-serve` starts vLLM's own server with cachetune inside it."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -64,3 +67,36 @@ def add_serve(sub) -> None:
     field_args(sv, ServerConfig, "server")
     engine_args(sv)
     sv.set_defaults(func=cmd_serve)
+
+
+def cmd_vllm_serve(args) -> int:
+    from cachetune.vllm.api import model_dir
+    from cachetune.vllm.serve import serve_command
+
+    settings = {name: getattr(args, name) for name in ("method", "ratio", "ranking", "blends_per_step")
+                if getattr(args, name) is not None}
+    extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+    argv, env = serve_command(model_dir(args.model), args.tiers, args.host, args.port, settings, extra)
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("vllm is not installed here (make vllm)")
+    print(" ".join(argv), file=sys.stderr)
+    os.execve(argv[0], argv, {**os.environ, **env})  # vLLM's server replaces this process
+
+
+def add_vllm_serve(sub) -> None:
+    from cachetune.vllm.config import ConnectorSettings
+
+    defaults = ConnectorSettings()
+    vs = sub.add_parser("vllm-serve", help="vLLM's OpenAI server with cachetune inside it: the connector, "
+                                           "POST /v1/documents, blended requests salted (needs `make vllm`)")
+    vs.add_argument("--model", help="preset, .gguf or HF directory [the bundled SmolLM2-135M-Instruct]")
+    vs.add_argument("--tiers", help=f"where documents are stored, as --tiers of `serve` [{defaults.tiers}]")
+    vs.add_argument("--host", default="127.0.0.1", help="[127.0.0.1]")
+    vs.add_argument("--port", type=int, default=8000, help="[8000]")
+    vs.add_argument("--method", help=f"selection of a request that names none [{defaults.method}]")
+    vs.add_argument("--ratio", type=float, help=f"share of document tokens recomputed [{defaults.ratio}]")
+    vs.add_argument("--ranking", help=f"offline ranking stored with each document [{defaults.ranking}]")
+    vs.add_argument("--blends-per-step", type=int,
+                    help=f"blends started per engine step, 0 for no limit [{defaults.blends_per_step}]")
+    vs.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: arguments for `vllm serve` itself")
+    vs.set_defaults(func=cmd_vllm_serve)

@@ -11,8 +11,9 @@ tier spec means the same in both. A request chooses through `kv_transfer_params[
 
 Blended KV is approximate, and vLLM's prefix cache is exact: blocks are hashed under the prompt's
 tokens, so a later plain request with the same prefix would silently read blended rows. A request is
-therefore blended only when its `cache_salt` starts with BLEND_SALT (`blend_salt()` makes one), which
-puts its blocks in a hash space of their own; any other request is left to vLLM untouched.
+therefore blended only when its `cache_salt` starts with BLEND_SALT (`blend_salt()` makes one; behind
+`vllm serve`, `serve.BlendSalt` adds it to every request with cachetune parameters), which puts its
+blocks in a hash space of their own; any other request is left to vLLM untouched.
 """
 
 from __future__ import annotations
@@ -43,6 +44,21 @@ def blend_salt(method: str = "", tenant: str = "") -> str:
 
 def may_blend(cache_salt: str | None) -> bool:
     return isinstance(cache_salt, str) and cache_salt.startswith(BLEND_SALT)
+
+
+def salt_for(kv_transfer_params: Any, cache_salt: Any) -> str | None:
+    """The cache_salt a request with these parameters should carry so it may be blended: None when it
+    carries no cachetune parameters (or bad ones, which the connector reports) or may be blended
+    already. A tenant's own salt is kept inside the new one, so tenants stay apart."""
+    if not isinstance(kv_transfer_params, dict) or may_blend(cache_salt):
+        return None
+    try:
+        params = RequestParams.of(kv_transfer_params)
+    except ValueError:
+        return None
+    if params is None or params.register:
+        return None
+    return blend_salt(params.method or "", cache_salt if isinstance(cache_salt, str) else "")
 
 
 @dataclass(frozen=True)
@@ -91,10 +107,17 @@ class RequestParams:
 
     @classmethod
     def of(cls, kv_transfer_params: dict[str, Any] | None) -> RequestParams | None:
-        """None when the request carries no cachetune parameters. Raises ValueError on bad ones."""
-        raw = (kv_transfer_params or {}).get(PARAMS_KEY)
+        """None when the request carries no cachetune parameters. Raises ValueError on bad ones.
+
+        Read from `kv_transfer_params["cachetune"]`, or, without that key, from `documents`, `method`
+        and `ratio` at the top level when `documents` is there (the short form an OpenAI client sends;
+        other keys belong to other connectors and are left alone)."""
+        params = kv_transfer_params or {}
+        raw = params.get(PARAMS_KEY)
         if raw is None:
-            return None
+            if "documents" not in params:
+                return None
+            raw = {key: params[key] for key in ("documents", "method", "ratio") if key in params}
         if not isinstance(raw, dict):
             raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] must be an object")
         unknown = set(raw) - {"documents", "method", "ratio", "register"}

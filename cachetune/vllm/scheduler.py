@@ -33,7 +33,7 @@ from cachetune.model.loader import default_cache_dir
 from cachetune.store.base import ChunkStore
 from cachetune.store.blob import ModelShape
 from cachetune.store.tiered import build_store
-from cachetune.vllm.config import ConnectorSettings, RequestParams, may_blend
+from cachetune.vllm.config import PARAMS_KEY, ConnectorSettings, RequestParams, may_blend
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,7 @@ class SchedulerSide:
         self._ready: dict[str, BlendJob] = {}
         self._registering: dict[str, SaveJob] = {}
         self._document_of: dict[str, str] = {}  # registration request -> its chunk id, until it ends
+        self._blended: dict[str, dict] = {}      # blended request -> what its output reports, until it ends
         self.counters = {"claimed_requests": 0, "claimed_tokens": 0, "unsalted_with_documents": 0,
                          "bad_params": 0, "registered": 0}
 
@@ -158,6 +159,8 @@ class SchedulerSide:
         ratio = params.ratio if params is not None and params.ratio is not None else None
         self._ready[request_id] = BlendJob(request_id, list(prompt), start, claim.end, claim.documents,
                                            list(block_ids), method, ratio)
+        self._blended[request_id] = {"documents": [cid for _, cid in claim.documents], "filled_tokens": external,
+                                     "method": method}
         self.counters["claimed_requests"] += 1
         self.counters["claimed_tokens"] += external
 
@@ -194,12 +197,17 @@ class SchedulerSide:
         return jobs
 
     def finished(self, request_id: str) -> dict | None:
-        """kv_transfer_params for the finished request's output (a registration's chunk id)."""
+        """kv_transfer_params for the finished request's output: a registration's chunk id, or a blended
+        request's documents, method and the prompt tokens the connector filled (vLLM counts those among
+        its cached tokens; recomputed ones included)."""
         self._claims.pop(request_id, None)
         self._ready.pop(request_id, None)
         self._registering.pop(request_id, None)  # ended before its prompt was computed: nothing saved
         cid = self._document_of.pop(request_id, None)
-        return None if cid is None else {"cachetune": {"document": cid}}
+        blended = self._blended.pop(request_id, None)
+        if cid is not None:
+            return {PARAMS_KEY: {"document": cid}}
+        return None if blended is None else {PARAMS_KEY: blended}
 
 
 class SharedTokens:

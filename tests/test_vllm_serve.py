@@ -1,0 +1,136 @@
+"""`cachetune vllm-serve`: vLLM's own OpenAI server with the connector, the documents route and the blend
+salt, driven by the official `openai` client. One real server serves every test here (start-up takes
+about a minute on 2 cores).
+
+Skipped where vLLM is not installed; CI installs it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.real_model
+
+TEXTS = [
+    "The Eiffel Tower is in Paris, the capital of France. It was built in 1889 for the World's Fair and is 330 "
+    "metres tall.",
+    "Mount Everest is the highest mountain on Earth, on the border of Nepal and China. Its summit is 8,849 "
+    "metres above sea level.",
+    "The Amazon river flows through Brazil and is the largest river by discharge volume. It rises in the Andes "
+    "mountains of Peru.",
+]
+QUESTION = "Question: How tall is the Eiffel Tower?"
+START_SECONDS = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tier = tmp_path_factory.mktemp("tier")
+    port = _free_port()
+    log = tmp_path_factory.mktemp("log") / "vllm-serve.log"
+    cli = Path(sys.executable).with_name("cachetune")
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [str(cli), "vllm-serve", "--port", str(port), "--tiers", f"disk:{tier}:1GiB", "--ratio", "0.15", "--",
+             "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
+             "--kv-cache-memory-bytes", str(1 << 30)],
+            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_SECONDS
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"vllm-serve exited ({process.returncode}):\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            os.killpg(process.pid, signal.SIGKILL)
+            pytest.fail(f"vllm-serve did not start in {START_SECONDS} s:\n{log.read_text()[-4000:]}")
+        time.sleep(2)
+    yield url
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def documents(server):
+    reply = httpx.post(f"{server}/v1/documents", json={"texts": TEXTS}, timeout=300)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["data"]
+
+
+def _client(server: str):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+
+
+def _model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_documents_are_registered_once_by_content(server, documents):
+    assert [d["tokens"] > 10 for d in documents] == [True] * len(TEXTS)
+    assert len({d["id"] for d in documents}) == len(TEXTS)
+    again = httpx.post(f"{server}/v1/documents", json={"texts": TEXTS[::-1]}, timeout=300).json()["data"]
+    assert [d["id"] for d in again] == [d["id"] for d in documents[::-1]]
+
+
+def test_bad_documents_get_a_clear_400(server):
+    for body in ({"texts": []}, {"texts": [1]}, {"texts": "a text"}, {"text": ["a"]}):
+        reply = httpx.post(f"{server}/v1/documents", json=body, timeout=30)
+        assert reply.status_code == 400 and "texts" in reply.json()["error"]["message"]
+    reply = httpx.post(f"{server}/v1/documents", content=b"{not json", timeout=30)
+    assert reply.status_code == 400
+
+
+def test_chat_with_documents_in_a_new_order_reuses_them_and_streams_the_same_text(server, documents):
+    client = _client(server)
+    ids = [d["id"] for d in documents][::-1]
+    messages = [{"role": "system", "content": "Answer from the documents."},
+                {"role": "user", "content": "\n\n".join(TEXTS[::-1]) + "\n\n" + QUESTION}]
+    extra = {"kv_transfer_params": {"documents": ids}}
+    plain = client.chat.completions.create(model=_model(client), messages=messages, max_tokens=12, temperature=0,
+                                           extra_body=extra)
+    assert plain.usage.prompt_tokens_details.cached_tokens > sum(d["tokens"] for d in documents) // 2
+    reported = plain.model_extra["kv_transfer_params"]["cachetune"]
+    assert reported["documents"] == ids and reported["method"] == "cachetune"
+    streamed = client.chat.completions.create(model=_model(client), messages=messages, max_tokens=12, temperature=0,
+                                              extra_body=extra, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    assert text == plain.choices[0].message.content and text
+
+
+def test_completions_with_documents_reuse_them_and_a_plain_request_is_left_to_vllm(server, documents):
+    client = _client(server)
+    prompt = "\n" + "\n\n".join(TEXTS[1:]) + "\n\n" + QUESTION + "\nAnswer:"
+    ids = [d["id"] for d in documents[1:]]
+    blended = client.completions.create(model=_model(client), prompt=prompt, max_tokens=8, temperature=0,
+                                        extra_body={"kv_transfer_params": {"documents": ids}})
+    assert blended.model_extra["kv_transfer_params"]["cachetune"]["documents"] == ids
+    streamed = client.completions.create(model=_model(client), prompt=prompt, max_tokens=8, temperature=0,
+                                         extra_body={"kv_transfer_params": {"documents": ids}}, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == blended.choices[0].text
+    plain = client.completions.create(model=_model(client), prompt=prompt, max_tokens=8, temperature=0)
+    assert not (plain.model_extra.get("kv_transfer_params") or {}).get("cachetune")
