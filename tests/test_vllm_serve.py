@@ -134,3 +134,30 @@ def test_completions_with_documents_reuse_them_and_a_plain_request_is_left_to_vl
     assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == blended.choices[0].text
     plain = client.completions.create(model=_model(client), prompt=prompt, max_tokens=8, temperature=0)
     assert not (plain.model_extra.get("kv_transfer_params") or {}).get("cachetune")
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus metric's samples whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            head, value = line.rsplit(" ", 1)
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+    return total
+
+
+def test_metrics_report_blends_registrations_and_tier_reads_beside_vllms(server, documents):
+    client = _client(server)
+    messages = [{"role": "user", "content": "\n".join(TEXTS) + "\n\n" + QUESTION}]
+    client.chat.completions.create(model=_model(client), messages=messages, max_tokens=2, temperature=0,
+                                   extra_body={"kv_transfer_params": {"documents": [d["id"] for d in documents]}})
+    text = httpx.get(f"{server}/metrics", timeout=30).text
+    assert _metric(text, "vllm:prompt_tokens_total") > 0  # vLLM's own, in the same exposition
+    assert _metric(text, "vllm:cachetune_registered_total") >= len(TEXTS)
+    assert _metric(text, "vllm:cachetune_saved_documents_total") >= len(TEXTS)
+    assert _metric(text, "vllm:cachetune_blended_requests_total") >= 1
+    assert _metric(text, "vllm:cachetune_reused_tokens_total") > 0
+    assert _metric(text, "vllm:cachetune_computed_tokens_total") > 0
+    assert _metric(text, "vllm:cachetune_tier_hits_total", tier="disk") >= 1
+    assert _metric(text, "vllm:cachetune_recomputed_by_vllm_total") == 0

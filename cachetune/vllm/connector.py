@@ -16,8 +16,9 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                  KVConnectorRole)
 
-from cachetune.vllm.config import ConnectorSettings, model_fingerprint_of
 from cachetune.store.blob import ModelShape
+from cachetune.vllm.config import ConnectorSettings, model_fingerprint_of
+from cachetune.vllm.metrics import CachetunePromMetrics, CachetuneStats, Increments
 from cachetune.vllm.scheduler import BlendJob, SaveJob, SchedulerSide, SharedTokens, StepJobs
 from cachetune.vllm.worker import WorkerSide
 
@@ -56,6 +57,7 @@ class CachetuneConnector(KVConnectorBase_V1):
         block_size = vllm_config.cache_config.block_size
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        self._increments = Increments()
         if role == KVConnectorRole.SCHEDULER:
             model = vllm_config.model_config.hf_config
             head_dim = getattr(model, "head_dim", None) or model.hidden_size // model.num_attention_heads
@@ -117,3 +119,20 @@ class CachetuneConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_failed_blocks() if self.worker is not None else set()
+
+    # ---- metrics (either side) ------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> CachetuneStats | None:
+        """What this side's counters gained since vLLM last asked (it asks after every step)."""
+        if self.scheduler is not None:
+            return self._increments(self.scheduler.counters)
+        if self.worker is not None and self._vllm_config.parallel_config.rank == 0:  # one rank speaks
+            return self._increments(self.worker.totals())
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> CachetuneStats:
+        return CachetuneStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> CachetunePromMetrics:
+        return CachetunePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -32,12 +32,14 @@ from cachetune.config import parse_tiers
 from cachetune.methods import MethodContext, PromptLayout, Segment, make_method
 from cachetune.model.loader import default_cache_dir
 from cachetune.runtime.loading import Pipeline
+from cachetune.runtime.prefill import Prefill
 from cachetune.runtime.prefix_cache import PrefixCache
 from cachetune.store.base import ChunkStore, CorruptChunkError
 from cachetune.store.blob import ModelShape
 from cachetune.store.tiered import build_store
 from cachetune.vllm.adapter import VllmAdapter
 from cachetune.vllm.attention import kernel_error
+from cachetune.vllm.metrics import tier_key
 from cachetune.vllm.config import ConnectorSettings
 from cachetune.vllm.paged import BlockLayout, round_trip_error, slots_of, write_rows
 from cachetune.vllm.scheduler import BlendJob, SaveJob, StepJobs
@@ -60,7 +62,8 @@ class WorkerSide:
         self.fingerprint: str | None = None
         self._layouts: list[BlockLayout] | None = None
         self._failed_blocks: set[int] = set()
-        self.counters = {"blended_requests": 0, "blended_tokens": 0, "recomputed_by_vllm": 0,
+        self.counters = {"blended_requests": 0, "blended_tokens": 0, "computed_tokens": 0,
+                         "recomputed_document_tokens": 0, "reused_tokens": 0, "recomputed_by_vllm": 0,
                          "missing_documents": 0, "saved_documents": 0, "save_failures": 0,
                          "blend_seconds": 0.0, "longest_blend_seconds": 0.0}
 
@@ -113,7 +116,7 @@ class WorkerSide:
         for job in jobs.blends:
             started = time.perf_counter()
             try:
-                self.blend(job)
+                result = self.blend(job)
             except DocumentUnavailable as exc:
                 self.counters["missing_documents"] += 1
                 self._fail(job, exc)
@@ -123,6 +126,9 @@ class WorkerSide:
             else:
                 self.counters["blended_requests"] += 1
                 self.counters["blended_tokens"] += job.end - job.start
+                self.counters["computed_tokens"] += result.computed_tokens
+                self.counters["recomputed_document_tokens"] += result.recomputed_chunk_tokens
+                self.counters["reused_tokens"] += result.reused_rows
             took = time.perf_counter() - started
             self.counters["blend_seconds"] += took
             self.counters["longest_blend_seconds"] = max(self.counters["longest_blend_seconds"], took)
@@ -138,8 +144,18 @@ class WorkerSide:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
+    def totals(self) -> dict[str, float]:
+        """Every cumulative counter of this side, the tiers' hits, bytes read and errors included
+        (metrics.tier_key names them)."""
+        totals = {name: value for name, value in self.counters.items() if name != "longest_blend_seconds"}
+        for tier in self.store.stats() if self.store is not None else ():
+            totals.update({tier_key("hits", tier.tier): tier.hits, tier_key("bytes_read", tier.tier): tier.bytes_read,
+                           tier_key("errors", tier.tier): tier.errors})
+        return totals
+
     @torch.no_grad()
-    def blend(self, job: BlendJob) -> None:
+    def blend(self, job: BlendJob) -> Prefill:
+        """Fill the job's rows; the prefill that computed them (what it computed, what it reused)."""
         if self.adapter is None:
             raise RuntimeError("no model attached (call cachetune.vllm.attach(llm) after start-up)")
         layout = self.layout(job)
@@ -153,6 +169,7 @@ class WorkerSide:
         for index, layer in enumerate(self.adapter.layers):
             write_rows(layer.self_attn.attn, cache.keys[index, job.start:job.end],
                        cache.values[index, job.start:job.end], slots)
+        return result
 
     def layout(self, job: BlendJob) -> PromptLayout:
         """The request's whole prompt: its documents as stored chunks, everything else as text."""
