@@ -40,39 +40,54 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class Server:
+    """`cachetune vllm-serve` in a process group of its own, on a free port."""
+
+    def __init__(self, tiers: str, log: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cli = Path(sys.executable).with_name("cachetune")
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        with open(log, "wb") as out:
+            self.process = subprocess.Popen(
+                [str(cli), "vllm-serve", "--port", str(self.port), "--tiers", tiers, "--ratio", "0.15", "--",
+                 "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
+                 "--kv-cache-memory-bytes", str(1 << 30)],
+                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait(self) -> str:
+        deadline = time.monotonic() + START_SECONDS
+        while True:
+            if self.process.poll() is not None:
+                pytest.fail(f"vllm-serve exited ({self.process.returncode}):\n{self.log.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self.url
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"vllm-serve did not start in {START_SECONDS} s:\n{self.log.read_text()[-4000:]}")
+            time.sleep(2)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    tier = tmp_path_factory.mktemp("tier")
-    port = _free_port()
-    log = tmp_path_factory.mktemp("log") / "vllm-serve.log"
-    cli = Path(sys.executable).with_name("cachetune")
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            [str(cli), "vllm-serve", "--port", str(port), "--tiers", f"disk:{tier}:1GiB", "--ratio", "0.15", "--",
-             "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
-             "--kv-cache-memory-bytes", str(1 << 30)],
-            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_SECONDS
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"vllm-serve exited ({process.returncode}):\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            os.killpg(process.pid, signal.SIGKILL)
-            pytest.fail(f"vllm-serve did not start in {START_SECONDS} s:\n{log.read_text()[-4000:]}")
-        time.sleep(2)
-    yield url
-    os.killpg(process.pid, signal.SIGTERM)
+    started = Server(f"disk:{tmp_path_factory.mktemp('tier')}:1GiB", tmp_path_factory.mktemp("log") / "serve.log")
     try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        yield started.wait()
+    finally:
+        started.stop()
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +176,38 @@ def test_metrics_report_blends_registrations_and_tier_reads_beside_vllms(server,
     assert _metric(text, "vllm:cachetune_computed_tokens_total") > 0
     assert _metric(text, "vllm:cachetune_tier_hits_total", tier="disk") >= 1
     assert _metric(text, "vllm:cachetune_recomputed_by_vllm_total") == 0
+
+
+def test_two_replicas_on_one_redis_compute_a_document_once_and_redis_dying_costs_only_recomputes(
+        redis_server, tmp_path):
+    replicas = [Server(redis_server.url, tmp_path / f"replica{i}.log") for i in range(2)]
+    try:
+        first, second = (replica.wait() for replica in replicas)
+        ids = [d["id"] for d in httpx.post(f"{first}/v1/documents", json={"texts": TEXTS}, timeout=300).json()["data"]]
+        again = httpx.post(f"{second}/v1/documents", json={"texts": TEXTS}, timeout=300).json()["data"]
+        assert [d["id"] for d in again] == ids
+        client = _client(second)
+        messages = [{"role": "user", "content": "\n\n".join(TEXTS[::-1]) + "\n\n" + QUESTION}]
+        extra = {"kv_transfer_params": {"documents": ids[::-1]}}
+        served = client.chat.completions.create(model=_model(client), messages=messages, max_tokens=8, temperature=0,
+                                                extra_body=extra)
+        assert served.model_extra["kv_transfer_params"]["cachetune"]["documents"] == ids[::-1]
+        assert served.choices[0].message.content
+        metrics = httpx.get(f"{second}/metrics", timeout=30).text
+        assert _metric(metrics, "vllm:cachetune_registered_total") == 0  # no encode on this replica
+        assert _metric(metrics, "vllm:cachetune_saved_documents_total") == 0
+        assert _metric(metrics, "vllm:cachetune_blended_requests_total") >= 1
+        assert _metric(metrics, "vllm:cachetune_tier_hits_total", tier="redis") >= len(TEXTS)
+
+        redis_server.kill()
+        started = time.monotonic()
+        answers = [client.chat.completions.create(model=_model(client), messages=messages, max_tokens=8,
+                                                  temperature=0, extra_body=extra, timeout=120)
+                   for _ in range(3)]
+        assert all(a.choices[0].message.content for a in answers)
+        assert time.monotonic() - started < 180
+        metrics = httpx.get(f"{second}/metrics", timeout=30).text
+        assert _metric(metrics, "vllm:cachetune_recomputed_by_vllm_total") >= 1
+    finally:
+        for replica in replicas:
+            replica.stop()

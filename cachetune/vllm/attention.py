@@ -81,7 +81,9 @@ class PagedCausalAttention:
     def _scratch_for(self, blocks: int, block_shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         scratch = self._scratch
         if scratch is None or scratch.shape[0] < blocks or scratch.shape[1:] != block_shape or scratch.dtype != dtype:
-            scratch = self._scratch = torch.empty((blocks, *block_shape), dtype=dtype)
+            # Zeroed, not empty: the kernel reads whole blocks, and a masked-out slot holding NaN bits
+            # would still poison the weighted sum (0 x NaN); a reused scratch holds only finite rows.
+            scratch = self._scratch = torch.zeros((blocks, *block_shape), dtype=dtype)
         return scratch[:blocks]
 
     def _metadata(self, q_pos: torch.Tensor, heads: int, kv_heads: int, head_dim: int, attention):

@@ -16,10 +16,9 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                  KVConnectorRole)
 
-from cachetune.store.blob import ModelShape
 from cachetune.vllm.config import ConnectorSettings, model_fingerprint_of
 from cachetune.vllm.metrics import CachetunePromMetrics, CachetuneStats, Increments
-from cachetune.vllm.scheduler import BlendJob, SaveJob, SchedulerSide, SharedTokens, StepJobs
+from cachetune.vllm.scheduler import BlendJob, SaveJob, SchedulerSide, SharedTokens, StepJobs, model_shape
 from cachetune.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -59,9 +58,7 @@ class CachetuneConnector(KVConnectorBase_V1):
         self.worker: WorkerSide | None = None
         self._increments = Increments()
         if role == KVConnectorRole.SCHEDULER:
-            model = vllm_config.model_config.hf_config
-            head_dim = getattr(model, "head_dim", None) or model.hidden_size // model.num_attention_heads
-            shape = ModelShape(model.num_hidden_layers, model.num_key_value_heads, head_dim)
+            shape = model_shape(vllm_config.model_config.hf_config)
             shared = SharedTokens(self.settings.tiers, self.fingerprint, shape)
             self.scheduler = SchedulerSide(self.settings, self.fingerprint, shared)
         else:

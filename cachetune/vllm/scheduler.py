@@ -210,6 +210,12 @@ class SchedulerSide:
         return None if blended is None else {PARAMS_KEY: blended}
 
 
+def model_shape(hf_config) -> ModelShape:
+    """The KV shape of a model from its Hugging Face config (what a tier checks a stored blob against)."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return ModelShape(hf_config.num_hidden_layers, hf_config.num_key_value_heads, head_dim)
+
+
 class SharedTokens:
     """A document's token ids from the tiers this process can read: disk and Redis. A cpu tier lives
     in the worker's memory, so a document stored only there is known here by its registration alone."""

@@ -24,12 +24,16 @@ import sys
 import uuid
 from typing import Any
 
+import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from cachetune.chunks.encode import chunk_id
 from cachetune.config import EngineConfig
 from cachetune.lru import LRUDict
-from cachetune.vllm.config import PARAMS_KEY, WORKER_EXTENSION, connector_config, salt_for
+from cachetune.vllm.config import (PARAMS_KEY, WORKER_EXTENSION, ConnectorSettings, connector_config,
+                                   model_fingerprint_of, salt_for)
+from cachetune.vllm.scheduler import SharedTokens, model_shape
 
 PLUGIN_NAME = "cachetune"
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"  # what `vllm serve` runs
@@ -116,6 +120,8 @@ class DocumentsEndpoint:
         self.engine = None
         self.tokenizer = None
         self.max_tokens = 0
+        self.fingerprint: str | None = None
+        self.shared: SharedTokens | None = None  # a document's tokens from the shared tiers, or None
         # text digest -> its chunk id, computed or being computed, for the most recent documents
         self.documents: LRUDict[str, asyncio.Future] = LRUDict(EngineConfig.tracked_chunks)
 
@@ -146,8 +152,12 @@ class DocumentsEndpoint:
             return
         from transformers import AutoTokenizer
 
+        model_config = engine_client.model_config
         self.tokenizer = AutoTokenizer.from_pretrained(getattr(args, "tokenizer", None) or args.model)
-        self.max_tokens = int(engine_client.model_config.max_model_len) - 1
+        self.max_tokens = int(model_config.max_model_len) - 1
+        settings = ConnectorSettings.from_extra(_extra_config(args.kv_transfer_config))
+        self.fingerprint = settings.fingerprint or await asyncio.to_thread(model_fingerprint_of, model_config.model)
+        self.shared = SharedTokens(settings.tiers, lambda: self.fingerprint, model_shape(model_config.hf_config))
         await engine_client.collective_rpc("cachetune_attach")
         self.engine = engine_client
 
@@ -157,7 +167,7 @@ class DocumentsEndpoint:
         digest = hashlib.sha256(text.encode()).hexdigest()
         future = self.documents.get(digest)
         if future is None:
-            future = asyncio.ensure_future(self._compute(ids))
+            future = asyncio.ensure_future(self._stored_or_computed(ids))
             self.documents.put(digest, future)
         try:
             return await asyncio.shield(future), len(ids)
@@ -165,6 +175,14 @@ class DocumentsEndpoint:
             if self.documents.get(digest) is future:
                 self.documents.pop(digest)
             raise
+
+    async def _stored_or_computed(self, ids: list[int]) -> str:
+        """The document's chunk id; computed by vLLM only when no shared tier (disk, Redis) holds it
+        already, so replicas on one tier compute a document once between them."""
+        cid = chunk_id(self.fingerprint, torch.tensor(ids, dtype=torch.int64))
+        if await asyncio.to_thread(self.shared, cid) == ids:
+            return cid
+        return await self._compute(ids)
 
     async def _compute(self, ids: list[int]) -> str:
         from vllm import SamplingParams
@@ -178,6 +196,13 @@ class DocumentsEndpoint:
         if found is None:
             raise RuntimeError("vLLM returned no document id: is it running with the cachetune connector?")
         return found
+
+
+def _extra_config(transfer) -> dict[str, Any]:
+    """kv_connector_extra_config of vLLM's parsed --kv-transfer-config (an object, or a dict)."""
+    if isinstance(transfer, dict):
+        return dict(transfer.get("kv_connector_extra_config") or {})
+    return dict(getattr(transfer, "kv_connector_extra_config", None) or {})
 
 
 def document_tokens(tokenizer, text: str) -> list[int]:
