@@ -211,3 +211,18 @@ def test_two_replicas_on_one_redis_compute_a_document_once_and_redis_dying_costs
     finally:
         for replica in replicas:
             replica.stop()
+
+
+def test_bench_serve_drives_vllm_with_documents_as_text_or_named_in_kv_transfer_params(server):
+    from cachetune.eval.bench_serve import ServeBenchConfig, run_bench_serve
+    from cachetune.eval.datasets import QAExample
+
+    examples = [QAExample("tiny-0", TEXTS, "How tall is the Eiffel Tower?", ["330 metres"])]
+    reports = {}
+    for mode, method in (("kv_transfer_params", "cachetune"), ("text", "vllm")):
+        config = ServeBenchConfig(url=server, methods=(method,), rates=(2.0,), requests_per_rate=3,
+                                  max_seconds_per_rate=60, slo_ms=30000, max_tokens=4, documents_as=mode)
+        reports[mode] = run_bench_serve(config, progress=False, examples=examples)["methods"][method]["rows"][0]
+    for row in reports.values():
+        assert row["completed"] == row["sent"] == 3 and row["failed"] == 0 and row["ttft_ms_p50"] > 0
+    assert reports["kv_transfer_params"]["cached_share"] > 0.5  # the documents were reused

@@ -76,7 +76,8 @@ def cmd_bench_serve(args) -> int:
                               requests_per_rate=args.requests_per_rate, max_seconds_per_rate=args.max_seconds,
                               slo_ms=args.slo_ms, slo_percentile=args.slo_percentile, max_tokens=args.max_tokens,
                               data=args.data, docs_per_prompt=args.docs, prompts=args.prompts, seed=args.seed,
-                              api_key=args.api_key, ratio=args.ratio, min_rate_share=args.min_rate_share)
+                              api_key=args.api_key, ratio=args.ratio, min_rate_share=args.min_rate_share,
+                              documents_as=args.documents_as)
     if args.wait:
         wait_until_healthy(config.url, args.wait)
     report = run_bench_serve(config)
@@ -125,7 +126,7 @@ def add_bench_pipeline(sub) -> None:
 
 
 def add_bench_serve(sub) -> None:
-    from cachetune.eval.bench_serve import METHODS, ServeBenchConfig as SB
+    from cachetune.eval.bench_serve import DOCUMENTS_AS, METHODS, ServeBenchConfig as SB
 
     bs = sub.add_parser("bench-serve", help="TTFT against Poisson request rate, per method, of a running server "
                                             "(paper Figure 4; loopback only)")
@@ -144,6 +145,10 @@ def add_bench_serve(sub) -> None:
     bs.add_argument("--seed", type=int, default=SB.seed)
     bs.add_argument("--api-key", help="bearer key of the server")
     bs.add_argument("--ratio", type=float, help="recompute share sent with every request (default: the server's)")
+    bs.add_argument("--documents-as", default=SB.documents_as, choices=DOCUMENTS_AS,
+                    help="ids: cachetune serve's `documents`; kv_transfer_params: texts in the message and ids for "
+                         "vLLM's cachetune connector; text: texts only (vLLM alone; --methods is then a label) "
+                         "[%(default)s]")
     bs.add_argument("--min-rate-share", type=float, default=SB.min_rate_share,
                     help="a rate is sustained only if completed/s >= this x the rate [%(default)s]")
     bs.add_argument("--rescore", metavar="JSON", help="instead of running: judge a saved bench_serve.json again "

@@ -47,6 +47,7 @@ from cachetune.methods import method_settings
 METHODS = ("full_recompute", "prefix", "cacheblend", "cachetune", "c2kv")
 BASELINE = "full_recompute"
 REJECTED_STATUS = (429, 503)  # overload: the server asks the client to come back later
+DOCUMENTS_AS = ("ids", "kv_transfer_params", "text")
 
 
 def check_loopback_url(url: str) -> str:
@@ -84,6 +85,10 @@ class ServeBenchConfig:
     shuffle_documents: bool = True
     model: str | None = None  # None: the first of GET /v1/models
     request_timeout_s: float = 600.0
+    # How a request brings its documents: "ids" (cachetune serve: `documents` by id, the server builds
+    # the prompt), "kv_transfer_params" (vLLM with the cachetune connector: the texts in the message,
+    # the ids in kv_transfer_params), "text" (any OpenAI server, vLLM alone: the texts in the message).
+    documents_as: str = "ids"
 
     def __post_init__(self) -> None:
         check_loopback_url(self.url)
@@ -95,6 +100,8 @@ class ServeBenchConfig:
             raise ValueError("min_rate_share must be in [0, 1]")
         if self.max_seconds_per_rate <= 0 or self.slo_ms <= 0 or not 0 < self.slo_percentile <= 100:
             raise ValueError("max_seconds_per_rate and slo_ms must be > 0, slo_percentile in (0, 100]")
+        if self.documents_as not in DOCUMENTS_AS:
+            raise ValueError(f"documents_as must be one of {', '.join(DOCUMENTS_AS)}")
 
 
 @dataclass
@@ -302,8 +309,9 @@ class Prepared:
     """What setup learned: the served model name, and per example its question and document ids."""
     model: str
     questions: list[str]
-    documents: list[list[str]]  # ids per example, dataset order
+    documents: list[list[str]]  # ids per example, dataset order (positions as ids where nothing registers)
     document_tokens: list[int]  # per example, as the server counted them
+    texts: list[list[str]] = dataclasses.field(default_factory=list)  # per example, dataset order
 
 
 async def prepare(client: httpx.AsyncClient, examples: list[QAExample], cfg: ServeBenchConfig) -> Prepared:
@@ -319,6 +327,11 @@ async def prepare(client: httpx.AsyncClient, examples: list[QAExample], cfg: Ser
     prepared = Prepared(model, [ex.question for ex in examples], [], [])
     for ex in examples:
         texts = ex.documents[:cfg.docs_per_prompt] if cfg.docs_per_prompt else ex.documents
+        prepared.texts.append(list(texts))
+        if cfg.documents_as == "text":  # nothing to register: the server sees only text
+            prepared.documents.append([str(k) for k in range(len(texts))])
+            prepared.document_tokens.append(0)
+            continue
         response = await client.post("/v1/documents", json={"texts": texts})
         if response.status_code != 200:
             raise RuntimeError(f"registering the documents of {ex.id}: {_error_text(response)}")
@@ -334,6 +347,8 @@ def request_bodies(cfg: ServeBenchConfig, prep: Prepared, method: str, tag: str,
     """n streaming chat-completion bodies cycling through the examples, each with the documents by id in
     an order seeded by (seed, method, tag, index): reproducible, and unlikely to repeat an earlier request's
     order (which a prefix cache would serve whole)."""
+    if cfg.documents_as != "ids":
+        return [_text_body(cfg, prep, method, tag, i) for i in range(n)]
     takes_ratio = "ratio" in {f.name for f in dataclasses.fields(method_settings(method))}
     extra = {"ratio": cfg.ratio} if cfg.ratio is not None and takes_ratio else {}  # the server refuses it elsewhere
     return [{"model": prep.model, "messages": [
@@ -344,6 +359,24 @@ def request_bodies(cfg: ServeBenchConfig, prep: Prepared, method: str, tag: str,
                                          cfg.shuffle_documents),
              "method": method, **extra}
             for i in range(n)]
+
+
+def _text_body(cfg: ServeBenchConfig, prep: Prepared, method: str, tag: str, i: int) -> dict:
+    """A body whose documents are text in the user message, each on lines of its own, in the same seeded
+    order as `request_bodies`; with documents_as "kv_transfer_params" their ids name them too."""
+    example = i % len(prep.documents)
+    order = document_order(prep.documents[example], f"{cfg.seed}/{method}/{tag}/{i}", cfg.shuffle_documents)
+    text_of = dict(zip(prep.documents[example], prep.texts[example]))
+    content = "\n\n".join(text_of[key] for key in order) + "\n\n" + QUESTION_LABEL + prep.questions[example]
+    body = {"model": prep.model, "messages": [{"role": "system", "content": DEFAULT_SYSTEM},
+                                              {"role": "user", "content": content}],
+            "max_tokens": cfg.max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if cfg.documents_as == "kv_transfer_params":
+        params = {"documents": order, "method": method}
+        if cfg.ratio is not None:
+            params["ratio"] = cfg.ratio
+        body["kv_transfer_params"] = params
+    return body
 
 
 async def bench_method(client: httpx.AsyncClient, prep: Prepared, method: str, cfg: ServeBenchConfig,
