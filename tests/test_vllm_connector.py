@@ -113,7 +113,10 @@ def test_rows_read_back_from_vllms_paged_cache_are_exactly_what_its_backend_wrot
 def test_the_blends_attention_runs_on_vllms_kernel_and_equals_the_runtimes(served):
     llm, _, _ = served
     [error] = llm.collective_rpc("cachetune_attention_error")
-    assert error is not None and error < 1e-5
+    if torch.cuda.is_available():  # GPU backends use the runtime's attention (docs/vllm.md, "On a GPU")
+        assert error is None
+    else:
+        assert error is not None and error < 1e-5
 
 
 def test_full_ratio_inside_vllm_equals_vllms_own_prefill(served):

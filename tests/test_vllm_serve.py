@@ -20,6 +20,8 @@ import pytest
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
+from cachetune.vllm.serve import MAX_BODY_BYTES  # noqa: E402
+
 pytestmark = pytest.mark.real_model
 
 TEXTS = [
@@ -118,6 +120,8 @@ def test_bad_documents_get_a_clear_400(server):
         assert reply.status_code == 400 and "texts" in reply.json()["error"]["message"]
     reply = httpx.post(f"{server}/v1/documents", content=b"{not json", timeout=30)
     assert reply.status_code == 400
+    reply = httpx.post(f"{server}/v1/documents", content=b" " * (MAX_BODY_BYTES + 1), timeout=60)
+    assert reply.status_code == 413
 
 
 def test_chat_with_documents_in_a_new_order_reuses_them_and_streams_the_same_text(server, documents):

@@ -63,18 +63,32 @@ def cmd_bench_serve(args) -> int:
     from cachetune.eval.bench_serve import (ServeBenchConfig, format_table, rescore, run_bench_serve,
                                             wait_until_healthy, write_report)
 
-    if args.rescore:  # a saved report judged again (e.g. by another --min-rate-share)
+    if args.rescore:  # a saved report judged again (by another --min-rate-share or --slo-ms)
         report = json.loads(Path(args.rescore).read_text())
         report["config"]["min_rate_share"] = args.min_rate_share
+        if args.slo_ms is not None:
+            report["config"]["slo_ms"] = args.slo_ms
         report = rescore(report)
         print(format_table(report))
         for path in write_report(report, Path(args.rescore).parent):
             print(f"wrote {path}", file=sys.stderr)
         return 0
+    if args.combine:
+        from cachetune.eval.bench_serve import combine, plot_ttft_vs_rate
+        from cachetune.eval.report import write_json
+
+        report = combine(args.combine, [a for a in args.arms.split(",") if a], args.slo_ms)
+        out = Path(args.combine)
+        write_json(report, out / "all.json")
+        (out / "all.md").write_text(format_table(report) + "\n", encoding="utf-8")
+        plot_ttft_vs_rate(report, out / "all.png")
+        print(format_table(report))
+        return 0
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     config = ServeBenchConfig(url=args.url, methods=methods, rates=floats(args.rates),
                               requests_per_rate=args.requests_per_rate, max_seconds_per_rate=args.max_seconds,
-                              slo_ms=args.slo_ms, slo_percentile=args.slo_percentile, max_tokens=args.max_tokens,
+                              slo_ms=ServeBenchConfig.slo_ms if args.slo_ms is None else args.slo_ms,
+                              slo_percentile=args.slo_percentile, max_tokens=args.max_tokens,
                               data=args.data, docs_per_prompt=args.docs, prompts=args.prompts, seed=args.seed,
                               api_key=args.api_key, ratio=args.ratio, min_rate_share=args.min_rate_share,
                               documents_as=args.documents_as)
@@ -136,7 +150,8 @@ def add_bench_serve(sub) -> None:
     bs.add_argument("--requests-per-rate", type=int, default=SB.requests_per_rate, help="[%(default)s]")
     bs.add_argument("--max-seconds", type=float, default=SB.max_seconds_per_rate,
                     help="per rate: stop sending and cancel after this [%(default)s]")
-    bs.add_argument("--slo-ms", type=float, default=SB.slo_ms, help="TTFT SLO [%(default)s]")
+    bs.add_argument("--slo-ms", type=float, help=f"TTFT SLO [{SB.slo_ms:g}; with --rescore or --combine: the "
+                                                 "report's]")
     bs.add_argument("--slo-percentile", type=float, default=SB.slo_percentile, help="[%(default)s]")
     bs.add_argument("--max-tokens", type=int, default=SB.max_tokens, help="[%(default)s]")
     bs.add_argument("--data", default=SB.data, help="dataset name or file [%(default)s]")
@@ -151,6 +166,9 @@ def add_bench_serve(sub) -> None:
                          "[%(default)s]")
     bs.add_argument("--min-rate-share", type=float, default=SB.min_rate_share,
                     help="a rate is sustained only if completed/s >= this x the rate [%(default)s]")
+    bs.add_argument("--combine", metavar="DIR", help="instead of running: DIR/<arm>/bench_serve.json of --arms in one "
+                                                     "table and plot (DIR/all.{json,md,png})")
+    bs.add_argument("--arms", default="vllm,vllm_cachetune,cachetune", help="with --combine [%(default)s]")
     bs.add_argument("--rescore", metavar="JSON", help="instead of running: judge a saved bench_serve.json again "
                                                       "(with --min-rate-share) and rewrite its table and plot")
     bs.add_argument("--wait", type=float, default=0, help="seconds to wait for the server's /health first [0]")

@@ -497,7 +497,7 @@ def plot_ttft_vs_rate(report: dict, path: str | Path) -> Path:
     ax.set(xlabel="request rate (req/s, Poisson arrivals)", ylabel="TTFT (ms, client side)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    return save_figure(fig, path, f"{report['model']}: TTFT against request rate")
+    return save_figure(fig, path, f"{Path(report['model']).name}: TTFT against request rate")  # vLLM names a path
 
 
 def write_report(report: dict, out_dir: str | Path) -> list[Path]:
@@ -506,3 +506,23 @@ def write_report(report: dict, out_dir: str | Path) -> list[Path]:
     write_json(report, out / "bench_serve.json")
     (out / "bench_serve.md").write_text(format_table(report) + "\n", encoding="utf-8")
     return [out / "bench_serve.json", out / "bench_serve.md", plot_ttft_vs_rate(report, out / "ttft_vs_rate.png")]
+
+
+def combine(out_dir: str | Path, arms: list[str], slo_ms: float | None = None) -> dict:
+    """One report of several runs, each in out_dir/<arm>/bench_serve.json with one method, keyed by arm
+    (the same workload against different servers: vLLM alone, vLLM with the connector, cachetune),
+    judged by `slo_ms` (None: the first run's)."""
+    reports = {arm: json.loads((Path(out_dir) / arm / "bench_serve.json").read_text()) for arm in arms}
+    for arm, report in reports.items():
+        if len(report["methods"]) != 1:
+            raise ValueError(f"{arm}: a combined arm has one method, not {sorted(report['methods'])}")
+    first = next(iter(reports.values()))
+    config = {**first["config"], "methods": list(arms)}
+    if slo_ms is not None:
+        config["slo_ms"] = slo_ms
+    combined = {**first, "config": config,
+                "mean_document_tokens": max(r["mean_document_tokens"] for r in reports.values()),
+                "methods": {arm: next(iter(r["methods"].values())) for arm, r in reports.items()},
+                "arms": {arm: {"documents_as": r["config"].get("documents_as", "ids"),
+                               "method": next(iter(r["methods"]))} for arm, r in reports.items()}}
+    return rescore(combined)

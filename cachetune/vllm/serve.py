@@ -39,7 +39,7 @@ PLUGIN_NAME = "cachetune"
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"  # what `vllm serve` runs
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 MAX_TEXTS = 256          # texts per POST /v1/documents
-MAX_BODY_BYTES = 16 << 20  # a completion body the middleware reads to add the salt
+MAX_BODY_BYTES = 16 << 20  # a documents body; a completion body the middleware reads to add the salt
 
 
 def serve_command(model: str, tiers: str | None = None, host: str = "127.0.0.1", port: int = 8000,
@@ -128,8 +128,12 @@ class DocumentsEndpoint:
     def attach_router(self, app) -> None:
         @app.post("/v1/documents")
         async def register_documents(http: Request):
+            declared = http.headers.get("content-length", "")
+            raw = None if declared.isdigit() and int(declared) > MAX_BODY_BYTES else await http.body()
+            if raw is None or len(raw) > MAX_BODY_BYTES:  # refused before it is read, when it says its size
+                return _error(413, f"the body is over {MAX_BODY_BYTES} bytes")
             try:
-                body = await http.json()
+                body = json.loads(raw)
             except ValueError:
                 return _error(400, "the body is not JSON")
             texts = body.get("texts") if isinstance(body, dict) else None
