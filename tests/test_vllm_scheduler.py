@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cachetune.vllm.config import ConnectorSettings, RequestParams, blend_salt, connector_config, salt_for
+from cachetune.vllm.config import (ConnectorSettings, RequestParams, blend_salt, check_parallelism,
+                                   connector_config, salt_for)
 from cachetune.vllm.scheduler import SchedulerSide
 
 SALT = blend_salt("cachetune")
@@ -148,3 +149,10 @@ def test_requests_with_cachetune_parameters_get_a_blend_salt_that_keeps_tenants_
     assert salt_for(None, None) is None and salt_for({"do_remote_prefill": False}, None) is None
     assert salt_for({"cachetune": {"register": True}}, None) is None  # a registration is a plain prefill
     assert salt_for({"documents": "a"}, None) is None  # bad parameters: the connector reports them
+
+
+def test_more_than_one_worker_is_refused_at_start_up_not_served_with_wrong_kv():
+    check_parallelism(1, 1)
+    for tensor, pipeline in ((2, 1), (1, 2)):
+        with pytest.raises(ValueError, match="one worker"):
+            check_parallelism(tensor, pipeline)

@@ -16,7 +16,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                  KVConnectorRole)
 
-from cachetune.vllm.config import ConnectorSettings, model_fingerprint_of
+from cachetune.vllm.config import ConnectorSettings, check_parallelism, model_fingerprint_of
 from cachetune.vllm.metrics import CachetunePromMetrics, CachetuneStats, Increments
 from cachetune.vllm.scheduler import BlendJob, SaveJob, SchedulerSide, SharedTokens, StepJobs, model_shape
 from cachetune.vllm.worker import WorkerSide
@@ -51,6 +51,8 @@ class CachetuneConnector(KVConnectorBase_V1):
             raise ValueError('the cachetune connector needs kv_load_failure_policy="recompute", so a document that '
                              "cannot be loaded is computed by vLLM instead of failing the request "
                              "(cachetune.vllm.connector_config() sets it)")
+        parallel = vllm_config.parallel_config
+        check_parallelism(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self.settings = ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
         self._fingerprint = self.settings.fingerprint
         block_size = vllm_config.cache_config.block_size
