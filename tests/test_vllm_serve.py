@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 pytest.importorskip("vllm")
-openai = pytest.importorskip("openai")
+import openai  # noqa: E402  (a test dependency: never skipped for lack of it)
 
 from cachetune.vllm.serve import MAX_BODY_BYTES  # noqa: E402
 
