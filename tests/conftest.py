@@ -121,6 +121,27 @@ def tiny_adapter():
     return make
 
 
+@pytest.fixture(scope="session")
+def tiny_vllm_model(tmp_path_factory) -> Path:
+    """An HF directory vLLM serves with tensor parallelism 2: a random Llama with 4 query and 2 KV heads
+    (the bundled model's 9 do not divide by 2) and the bundled model's tokenizer and chat template. Its
+    weights are wide enough that greedy tokens vary."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from cachetune.model.loader import model_directory
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = AutoTokenizer.from_pretrained(model_directory())
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                         rope_theta=100000.0, initializer_range=0.1, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def word_tokenizer() -> PreTrainedTokenizerFast:
     """Word-level tokenizer over the tiny vocabulary: "w{i}" is token i + 3; 0-2 are <unk>, <s>, </s>."""
     vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB - 3)])}

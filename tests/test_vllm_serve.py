@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 import openai  # noqa: E402  (a test dependency: never skipped for lack of it)
@@ -45,17 +46,19 @@ def _free_port() -> int:
 class Server:
     """`cachetune vllm-serve` in a process group of its own, on a free port."""
 
-    def __init__(self, tiers: str, log: Path):
+    def __init__(self, tiers: str, log: Path, model: Path | None = None, tensor_parallel: int = 1):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cli = Path(sys.executable).with_name("cachetune")
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        bind = "0|1" if tensor_parallel == 2 else "0-1"  # one core per rank
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        chosen = ["--model", str(model)] if model is not None else []
         with open(log, "wb") as out:
             self.process = subprocess.Popen(
-                [str(cli), "vllm-serve", "--port", str(self.port), "--tiers", tiers, "--ratio", "0.15", "--",
+                [str(cli), "vllm-serve", *chosen, "--port", str(self.port), "--tiers", tiers, "--ratio", "0.15", "--",
                  "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
-                 "--kv-cache-memory-bytes", str(1 << 30)],
+                 "--kv-cache-memory-bytes", str(1 << 30), "--tensor-parallel-size", str(tensor_parallel)],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def wait(self) -> str:
@@ -230,3 +233,30 @@ def test_bench_serve_drives_vllm_with_documents_as_text_or_named_in_kv_transfer_
     for row in reports.values():
         assert row["completed"] == row["sent"] == 3 and row["failed"] == 0 and row["ttft_ms_p50"] > 0
     assert reports["kv_transfer_params"]["cached_share"] > 0.5  # the documents were reused
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                    reason="tensor parallel 2 on CUDA needs two GPUs")
+def test_tensor_parallel_two_serves_documents_named_by_the_openai_client(tiny_vllm_model, tmp_path):
+    served = Server(f"disk:{tmp_path / 'tier'}:256MiB", tmp_path / "tp2.log", model=tiny_vllm_model,
+                    tensor_parallel=2)
+    try:
+        url = served.wait()
+        documents = httpx.post(f"{url}/v1/documents", json={"texts": TEXTS}, timeout=300).json()["data"]
+        client = _client(url)
+        ids = [d["id"] for d in documents][::-1]
+        messages = [{"role": "user", "content": "\n\n".join(TEXTS[::-1]) + "\n\n" + QUESTION}]
+        extra = {"kv_transfer_params": {"documents": ids}}
+        plain = client.chat.completions.create(model=_model(client), messages=messages, max_tokens=8,
+                                               temperature=0, extra_body=extra)
+        assert plain.model_extra["kv_transfer_params"]["cachetune"]["documents"] == ids
+        assert plain.usage.prompt_tokens_details.cached_tokens > sum(d["tokens"] for d in documents) // 2
+        streamed = client.chat.completions.create(model=_model(client), messages=messages, max_tokens=8,
+                                                  temperature=0, extra_body=extra, stream=True)
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+        assert text == plain.choices[0].message.content and text
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert _metric(metrics, "vllm:cachetune_blended_requests_total") == 2
+        assert _metric(metrics, "vllm:cachetune_recomputed_by_vllm_total") == 0
+    finally:
+        served.stop()

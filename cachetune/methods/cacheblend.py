@@ -64,6 +64,8 @@ class CacheBlendSelector(TokenSelector):
             span = slice(start, start + n)
             new, old = (v[span], old_v) if self.compares == "value" else (k[span], old_k)
             deviations.append((new.float() - old.to(device).float()).pow(2).sum(dim=(1, 2)))
+        sizes = [d.numel() for d in deviations]
+        deviations = list(adapter.across_heads(torch.cat(deviations)).split(sizes)) if deviations else deviations
         return split_global_top(deviations, ratio)
 
 

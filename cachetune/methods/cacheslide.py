@@ -36,7 +36,7 @@ class CacheSlideSelector(CacheBlendSelector):
     compares = "key"
 
     def fusion(self, request: SelectionRequest, selections: list[torch.Tensor]) -> FuseFn:
-        layout = request.layout
+        adapter, layout = request.adapter, request.layout
         # Active rows in selective prefill are in position order: uncached text and the selected
         # chunk tokens. Find which rows are selected chunk tokens and where their stored KV lives.
         active = torch.ones(layout.total, dtype=torch.bool)
@@ -57,8 +57,8 @@ class CacheSlideSelector(CacheBlendSelector):
                 rows = row_of[pos].to(k.device)
                 old_k, old_v = (x.to(k.device, k.dtype) for x in chunk.load_layer(layer, local))
                 new_k, new_v = k[rows], v[rows]
-                moved = (new_k.float() - old_k.float()).pow(2).sum(dim=(1, 2))
-                base = old_k.float().pow(2).sum(dim=(1, 2)).clamp_min(1e-12)
+                moved = adapter.across_heads((new_k.float() - old_k.float()).pow(2).sum(dim=(1, 2)))
+                base = adapter.across_heads(old_k.float().pow(2).sum(dim=(1, 2))).clamp_min(1e-12)
                 a = (moved / base).clamp(0, 1).to(k.dtype)[:, None, None]
                 k[rows] = a * new_k + (1 - a) * old_k
                 v[rows] = a * new_v + (1 - a) * old_v

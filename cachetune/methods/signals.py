@@ -197,4 +197,4 @@ def question_attention(adapter: ModelAdapter, layout: PromptLayout, layers: int,
     observer = QuestionAttention(adapter, layout)
     attention = observer.attend if reuse_probs else None
     prefilled = observe_reuse(adapter, layout, layers, observer, pipeline, capacity, dtype, attention)
-    return per_chunk(layout, observer.mean()), prefilled
+    return per_chunk(layout, adapter.across_heads(observer.mean())), prefilled

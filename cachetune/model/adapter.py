@@ -104,6 +104,13 @@ class ModelAdapter:
         """(layers, KV heads, head size): the shape of one KV row per layer."""
         return self.num_layers, self.num_kv_heads, self.head_dim
 
+    def across_heads(self, scores: torch.Tensor) -> torch.Tensor:
+        """`scores` [...] reduced (a mean or a sum) over the heads this process holds -> the same over
+        every head of the model, up to a constant factor. One process holds every head here; a
+        tensor-parallel rank holds some (cachetune.vllm.parallel), and selections call this so that
+        every rank picks what one process holding every head would."""
+        return scores
+
     @property
     def dtype(self) -> torch.dtype:
         return self.cast_dtype or self.backbone.embed_tokens.weight.dtype

@@ -18,6 +18,7 @@ import torch
 
 from cachetune.model.adapter import LayerInfo, UnsupportedModelError
 from cachetune.vllm.attention import PagedCausalAttention
+from cachetune.vllm.parallel import HeadGroup
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -28,7 +29,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class VllmAdapter:
-    """Layer-by-layer access to a decoder-only model loaded by vLLM (one worker, no pipeline stages)."""
+    """Layer-by-layer access to a decoder-only model loaded by vLLM (no pipeline stages). Under tensor
+    parallelism it is one rank's: its query and KV heads (`heads`), the whole hidden state."""
 
     def __init__(self, model: torch.nn.Module):
         name = type(model).__name__
@@ -51,8 +53,9 @@ class VllmAdapter:
             # Length-dependent tables (dynamic NTK, longrope) rotate a chunk differently in each layout.
             raise UnsupportedModelError(f"RoPE {type(rotary).__name__} is not supported")
         self.num_layers = len(layers)
-        self.num_heads = attn.num_heads
-        self.num_kv_heads = attn.num_kv_heads
+        self.num_heads = attn.num_heads        # this rank's
+        self.num_kv_heads = attn.num_kv_heads  # this rank's
+        self.heads = HeadGroup.of(attn.qkv_proj)
         self.head_dim = attn.head_dim
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
         self.has_qk_norm = hasattr(attn, "q_norm")
@@ -80,6 +83,10 @@ class VllmAdapter:
     @property
     def vocab_size(self) -> int:
         return self.backbone.embed_tokens.num_embeddings
+
+    def across_heads(self, scores: torch.Tensor) -> torch.Tensor:
+        """model.adapter.ModelAdapter.across_heads: the mean over every rank's heads."""
+        return self.heads.mean(scores)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> hidden [T, hidden]."""
@@ -128,5 +135,13 @@ class VllmAdapter:
         return hidden + block.mlp(block.post_attention_layernorm(hidden))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: hidden [T, hidden] -> logits [T, vocab] in float32."""
-        return self.model.compute_logits(self.backbone.norm(hidden)).float()
+        """Final norm and LM head: hidden [T, hidden] -> logits [T, vocab] in float32 (on every rank:
+        vLLM's own gathers them to the rank that samples only)."""
+        hidden = self.backbone.norm(hidden)
+        if self.heads.size == 1:
+            return self.model.compute_logits(hidden).float()
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        processor = self.model.logits_processor
+        shard = processor(self.model.lm_head, hidden, skip_gather=True)  # [T, vocab / tp] padded
+        return tensor_model_parallel_all_gather(shard, dim=-1)[..., :processor.org_vocab_size].float()

@@ -139,13 +139,13 @@ class RequestParams:
         return cls(documents, method, ratio, register)
 
 
-def check_parallelism(tensor_parallel: int, pipeline_parallel: int) -> None:
-    """Refuse what the connector cannot serve yet, at start-up rather than with wrong KV: under tensor
-    parallelism each rank holds only its own heads (a stored document has them all) and would select
-    tokens from its heads alone, and under pipeline parallelism a worker lacks the other stages' layers."""
-    if tensor_parallel != 1 or pipeline_parallel != 1:
-        raise ValueError(f"the cachetune connector serves one worker for now (tensor parallel {tensor_parallel}, "
-                         f"pipeline parallel {pipeline_parallel} asked); start vLLM with both at 1")
+def check_parallelism(pipeline_parallel: int) -> None:
+    """Refuse what the connector cannot serve, at start-up rather than with wrong KV: under pipeline
+    parallelism a worker lacks the other stages' layers. (Tensor parallelism is served: each rank
+    blends its own heads, vllm.parallel.)"""
+    if pipeline_parallel != 1:
+        raise ValueError(f"the cachetune connector does not serve pipeline parallelism ({pipeline_parallel} "
+                         "stages asked); start vLLM with --pipeline-parallel-size 1 (tensor parallelism works)")
 
 
 def connector_config(**settings: Any) -> dict[str, Any]:

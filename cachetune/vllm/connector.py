@@ -52,7 +52,7 @@ class CachetuneConnector(KVConnectorBase_V1):
                              "cannot be loaded is computed by vLLM instead of failing the request "
                              "(cachetune.vllm.connector_config() sets it)")
         parallel = vllm_config.parallel_config
-        check_parallelism(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        check_parallelism(parallel.pipeline_parallel_size)
         self.settings = ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
         self._fingerprint = self.settings.fingerprint
         block_size = vllm_config.cache_config.block_size

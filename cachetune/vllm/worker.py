@@ -11,6 +11,10 @@ Any failure (a document evicted or corrupt, no model attached, an error in the b
 blocks as failed: vLLM recomputes them (kv_load_failure_policy "recompute"), the request never fails,
 and `counters` says how often it happened.
 
+Under tensor parallelism every rank runs this on its own heads, in step (vllm.parallel): the ranks
+agree on whether a job's documents are all there before any of them blends it, selections see every
+rank's heads, and a document is gathered whole before it is stored.
+
 After the forward (`save_all`), each SaveJob's rows are read back from the paged cache, their keys
 rotated back to pre-RoPE, ranked, and stored: the same format and chunk id the standalone engine
 writes, so either reads the other's documents.
@@ -71,9 +75,10 @@ class WorkerSide:
     def attach(self, model: torch.nn.Module, store: ChunkStore | None = None) -> None:
         """Serve with `model` (vLLM's, in this worker) from `store` (default: the settings' tiers)."""
         adapter = VllmAdapter(model)
-        fingerprint = self._fingerprint()
-        if store is None:
-            shape = ModelShape(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim)
+        # Rank 0 alone computes it (that may load the model once more through transformers).
+        fingerprint = adapter.heads.from_first(self._fingerprint() if adapter.heads.rank == 0 else None)
+        if store is None:  # documents are stored whole: every KV head, whichever rank stores them
+            shape = ModelShape(adapter.num_layers, adapter.heads.total_kv_heads, adapter.head_dim)
             store = build_store(parse_tiers(self.settings.tiers), fingerprint, shape, adapter.device,
                                 default_cache_dir() / "chunks")
         engine = self.settings.engine
@@ -160,6 +165,11 @@ class WorkerSide:
             raise RuntimeError("no model attached (call cachetune.vllm.attach(llm) after start-up)")
         layout = self.layout(job)
         method = make_method(job.method, self.settings.engine, ratio=job.ratio)
+        heads = self.adapter.heads
+        for _, segment in layout.chunk_segments:  # offline scores from every head, as one process has them
+            method.prepare(self.context, segment.chunk)
+        layout = PromptLayout([Segment(s.token_ids, heads.shard(s.chunk) if s.cached else None)
+                               for s in layout.segments])
         result = method.prefill(self.context, layout, layout.total)
         if result.attention is not None or result.prompt_rows != layout.total:
             # vLLM decodes with its own causal attention over one row per position.
@@ -172,23 +182,29 @@ class WorkerSide:
         return result
 
     def layout(self, job: BlendJob) -> PromptLayout:
-        """The request's whole prompt: its documents as stored chunks, everything else as text."""
+        """The request's whole prompt: its documents as stored chunks, everything else as text.
+        Raises DocumentUnavailable on every rank when one rank lacks one."""
         prompt = torch.tensor(job.prompt, dtype=torch.int64)
-        segments, at = [], 0
+        segments, at, problem = [], 0, None
         for start, cid in job.documents:
             try:
                 stored = self.store.get(cid)
             except CorruptChunkError as exc:
-                raise DocumentUnavailable(f"document {cid} is corrupt: {exc}") from exc
+                problem = f"document {cid} is corrupt: {exc}"
+                break
             if stored is None:
-                raise DocumentUnavailable(f"document {cid} is in no tier")
+                problem = f"document {cid} is in no tier"
+                break
             n = stored.num_tokens
             if not torch.equal(stored.token_ids.cpu(), prompt[start:start + n]):
-                raise DocumentUnavailable(f"document {cid}'s tokens are not at prompt position {start}")
+                problem = f"document {cid}'s tokens are not at prompt position {start}"
+                break
             if start > at:
                 segments.append(Segment(prompt[at:start]))
             segments.append(Segment(prompt[start:start + n], stored))
             at = start + n
+        if not self.adapter.heads.all(problem is None):
+            raise DocumentUnavailable(problem or "a document is unavailable on another tensor-parallel rank")
         segments.append(Segment(prompt[at:]))
         return PromptLayout(segments)
 
@@ -209,14 +225,14 @@ class WorkerSide:
             raise RuntimeError("no model attached")
         adapter, n = self.adapter, len(job.tokens)
         slots = slots_of(job.block_ids, self.block_size, 0, n)
-        shape = (adapter.num_layers, n, adapter.num_kv_heads, adapter.head_dim)
+        shape = (adapter.num_layers, n, adapter.heads.total_kv_heads, adapter.head_dim)
         keys = torch.empty(shape, dtype=adapter.dtype)
         values = torch.empty(shape, dtype=adapter.dtype)
         cos, sin = adapter.rope_tables(torch.arange(n), torch.float32)[None]
         for index, (layer, packing) in enumerate(zip(adapter.layers, self.layouts())):
-            k, v = packing.read(layer.self_attn.attn.kv_cache, slots)
-            keys[index] = adapter.rotate(k.float(), cos, -sin).to(adapter.dtype).cpu()  # back to pre-RoPE
-            values[index] = v.cpu()
+            k, v = packing.read(layer.self_attn.attn.kv_cache, slots)  # [n, this rank's KV heads, D]
+            keys[index] = adapter.heads.gather(adapter.rotate(k.float(), cos, -sin).to(adapter.dtype)).cpu()  # pre-RoPE
+            values[index] = adapter.heads.gather(v).cpu()
         ids = torch.tensor(job.tokens, dtype=torch.int64)
         cid = chunk_id(self.fingerprint, ids)
         if cid != job.chunk_id:
