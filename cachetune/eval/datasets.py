@@ -18,6 +18,7 @@ so `"".join(f"Passage {i}:\\n" + doc ...)` rebuilds the context exactly.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import random
@@ -90,6 +91,44 @@ def split_demos(context: str) -> list[str]:
     """The few-shot blocks of a LongBench samsum context, each `Dialogue: ...\\nSummary: ...\\n`."""
     return [p for p in re.split(r"(?m)^(?=Dialogue: )", context) if p.strip()]
 
+
+
+# A sentence ends at . ! or ? followed by white space, and a paragraph at a blank line. A single line
+# break does not end one: a title line stays with the sentence under it.
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n\s*\n\s*")
+
+
+def sentences(text: str) -> list[str]:
+    """`text` cut after each sentence end (and blank line), every piece keeping the white space that
+    follows it, so "".join(sentences(text)) == text."""
+    pieces, at = [], 0
+    for end in _SENTENCE_END.finditer(text):
+        if end.end() > at and end.start() > at:
+            pieces.append(text[at:end.end()])
+            at = end.end()
+    if at < len(text):
+        pieces.append(text[at:])
+    return pieces
+
+
+def rechunk(example: QAExample, tokens: int, count: Callable[[str], int]) -> QAExample:
+    """`example` with its documents cut again into chunks of about `tokens` tokens, as a RAG pipeline
+    chunks a corpus: the documents' text in order, a blank line between two, packed sentence by
+    sentence (`count` gives a text's tokens) into a chunk until the next sentence would pass `tokens`.
+    A sentence longer than `tokens` is a chunk of its own; no chunk ends mid-sentence. Every chunk is
+    then a document of its own (cached alone); the labelled supporting documents no longer apply."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"tokens must be a positive int, got {tokens!r}")
+    chunks, current, size = [], "", 0
+    for piece in sentences("\n\n".join(d.strip() for d in example.documents if d.strip())):
+        n = count(piece)
+        if current and size + n > tokens:
+            chunks.append(current.rstrip())
+            current, size = "", 0
+        current, size = current + piece, size + n
+    if current.strip():
+        chunks.append(current.rstrip())
+    return dataclasses.replace(example, id=f"{example.id}@{tokens}t", documents=chunks, supporting=())
 
 # --- loaders, one per file format ------------------------------------------------------------
 

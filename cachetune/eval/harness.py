@@ -61,9 +61,12 @@ class EvalConfig:
     retime: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        unknown = [m for m in (*self.methods, *self.retime) if not is_method(m)]
+        unknown = [m for m in (*self.methods, *self.retime) if not is_method(m.partition("@")[0])]
         if unknown:
             raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(method_names())}, cachetune:<ranking>")
+        for m in self.methods:
+            if "@" in m:
+                _at_ratio(m)  # a clear error for a bad "method@r" now
         for r in (self.ratio, *self.ratios):
             if not 0.0 <= r <= 1.0:
                 raise ValueError(f"ratio must be in [0, 1], got {r}")
@@ -80,11 +83,14 @@ class EvalConfig:
         self.methods = [FULL_RECOMPUTE] + [m for m in dict.fromkeys(self.methods) if m != FULL_RECOMPUTE]
 
     def variants(self) -> list["Variant"]:
-        if not self.ratios:
-            return [Variant(m, m, self.ratio) for m in self.methods]
+        """One per method: "method@r" at r, a method with a budget once per ratio of `ratios` (when
+        set), the rest at `ratio`."""
         out = []
         for m in self.methods:
-            if uses_ratio(m):
+            if "@" in m:
+                base, ratio = _at_ratio(m)
+                out.append(Variant(m, base, ratio))
+            elif self.ratios and uses_ratio(m):
                 out += [Variant(f"{m}@{r:g}", m, r) for r in self.ratios]
             else:
                 out.append(Variant(m, m, self.ratio))
@@ -104,7 +110,7 @@ class EvalConfig:
             key["ranking"] = engine.config.ranking
         # ... and its selection, when a method reads it from the config (a name may set it) and it is
         # not the default. Files written under earlier defaults name the old ones, so they still resume.
-        reads = set().union(*(config_settings(m) for m in self.methods))
+        reads = set().union(*(config_settings(m.partition("@")[0]) for m in self.methods))
         for name in ("allocation", "signal"):
             if name in reads and getattr(engine.config, name) != getattr(EngineConfig, name):
                 key[name] = getattr(engine.config, name)
@@ -122,6 +128,18 @@ class EvalConfig:
         if "kvlink" in self.methods:
             key["kvlink_links"] = engine.extractors.get(engine.config.kvlink_links, LinkTokens).variant
         return key
+
+
+def _at_ratio(label: str) -> tuple[str, float]:
+    """"method@r" -> (method, r): one method at its own budget beside the run's ratio."""
+    base, _, text = label.partition("@")
+    try:
+        ratio = float(text)
+    except ValueError:
+        raise ValueError(f"{label!r}: expected method@ratio, e.g. cachetune@0.25") from None
+    if not 0.0 <= ratio <= 1.0 or not uses_ratio(base):
+        raise ValueError(f"{label!r}: the ratio must be in [0, 1], and {base!r} must have a recompute budget")
+    return base, ratio
 
 
 def uses_ratio(method: str) -> bool:

@@ -379,3 +379,84 @@ def plot_frontier(report: dict, out_dir: str | Path, mark: str | None = None) ->
         title = f"{report['model']} {report['dtype']}, {name} ({ds['n_examples']} ex.)"
         written.append(save_figure(fig, Path(out_dir) / f"frontier_{name.replace('/', '_')}.png", title))
     return written
+
+
+def chunk_length_of(dataset: str) -> tuple[str, int] | None:
+    """("musique", 128) for a set re-chunked by `cachetune eval --chunk-tokens` ("musique@128t"), else None."""
+    base, at, length = dataset.rpartition("@")
+    if not at or not length.endswith("t") or not length[:-1].isdigit():
+        return None
+    return base, int(length[:-1])
+
+
+def by_chunk_length(report: dict) -> dict[str, list[dict]]:
+    """Set -> one row per (method, chunk length) of its re-chunked datasets, lengths ascending: quality
+    and its ratio to full recompute (with the paired interval), KL, answer agreement, TTFT, speedup."""
+    out: dict[str, list[dict]] = {}
+    keys = ("quality", "quality_vs_full", "quality_vs_full_ci", "kl_to_full", "answer_match_full",
+            "ttft_ms_median", "speedup_vs_full", "n_examples")
+    for name, ds in report["datasets"].items():
+        found = chunk_length_of(name)
+        if found is None:
+            continue
+        base, length = found
+        for row in ds["results"]:
+            out.setdefault(base, []).append({"method": row["method"], "chunk_tokens": length,
+                                             **{k: row[k] for k in keys}})
+    for rows in out.values():
+        rows.sort(key=lambda r: (r["chunk_tokens"], r["method"]))
+    return out
+
+
+def format_by_length(rows_by_set: dict[str, list[dict]]) -> str:
+    """Markdown: per set, one row per method and chunk length."""
+    parts = []
+    for name, rows in rows_by_set.items():
+        parts += ["", f"### {name}, by chunk length", "",
+                  "| chunk tokens | method | n | quality | vs full | interval | KL | answer = full | TTFT ms | speedup |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            parts.append(f"| {r['chunk_tokens']} | {r['method']} | {r['n_examples']} | {_cell(r['quality'])} | "
+                         f"{_cell(r['quality_vs_full'])} | {_span(r['quality_vs_full_ci'], 2)} | "
+                         f"{_cell(r['kl_to_full'])} | {_cell(r['answer_match_full'])} | "
+                         f"{_cell(r['ttft_ms_median'])} | {_cell(r['speedup_vs_full'])} |")
+    return "\n".join(parts).lstrip("\n")
+
+
+def plot_quality_by_length(report: dict, out_dir: str | Path) -> Path | None:
+    """Quality over full recompute's (paired 95% interval as error bars) and KL against chunk length,
+    one line per method, one column per set: quality_by_chunk_length.png. None without re-chunked sets."""
+    rows_by_set = by_chunk_length(report)
+    if not rows_by_set:
+        return None
+    plt = pyplot()
+    methods = list(dict.fromkeys(r["method"] for rows in rows_by_set.values() for r in rows
+                                 if r["method"] != FULL_RECOMPUTE))
+    fig, axes = plt.subplots(2, len(rows_by_set), figsize=(5 * len(rows_by_set) + legend_inches(methods, 8), 8),
+                             squeeze=False)
+    for column, (name, rows) in enumerate(rows_by_set.items()):
+        top, bottom = axes[0][column], axes[1][column]
+        for i, method in enumerate(methods):
+            mine = [r for r in rows if r["method"] == method]
+            if not mine:
+                continue
+            xs = [r["chunk_tokens"] for r in mine]
+            ys = [r["quality_vs_full"] for r in mine]
+            low = [max(0.0, y - r["quality_vs_full_ci"][0]) for y, r in zip(ys, mine)]
+            high = [max(0.0, r["quality_vs_full_ci"][1] - y) for y, r in zip(ys, mine)]
+            style = {"marker": "osD^v<>ph*"[i % 10], "color": plt.cm.tab10(i % 10), "label": method}
+            top.errorbar(xs, ys, yerr=[low, high], capsize=3, linewidth=1.2, **style)
+            bottom.plot(xs, [r["kl_to_full"] for r in mine], linewidth=1.2, **style)
+        top.axhline(1.0, color="black", linewidth=1, alpha=0.4)
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sorted({r["chunk_tokens"] for r in rows}))
+            ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda x, _: f"{x:g}"))
+            ax.set_xlabel("chunk length (tokens)")
+            ax.grid(alpha=0.3)
+        top.set_title(name)
+        top.set_ylabel("quality / full recompute's")
+        bottom.set_ylabel("KL to full recompute")
+    axes[0][-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    return save_figure(fig, Path(out_dir) / "quality_by_chunk_length.png",
+                       f"{report['model']} {report['dtype']}, quality against chunk length")
