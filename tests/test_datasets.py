@@ -338,8 +338,8 @@ def test_registry_names_resolve_under_data_dir_with_stable_ids(tmp_path: Path) -
 
 
 def test_registry_covers_every_shared_file() -> None:
-    assert set(DATASETS) == {"musique", "2wikimqa", "hotpotqa", "hotpotqa_heldout", "multi_news", "samsum", "lb_hotpotqa",
-                             "lb_2wikimqa", "lb_musique", "lb_samsum", "lb_multi_news"}
+    assert set(DATASETS) == {"musique", "2wikimqa", "hotpotqa", "hotpotqa_heldout", "hotpotqa_train", "multi_news",
+                             "samsum", "lb_hotpotqa", "lb_2wikimqa", "lb_musique", "lb_samsum", "lb_multi_news"}
     assert {spec.task for spec in DATASETS.values()} == {"qa", "summarization"}
 
 
@@ -378,15 +378,17 @@ def test_malformed_rows_of_every_format_raise_value_error_naming_the_file(tmp_pa
 
 # --- every registered shared dataset (skipped without shared/data) ------------------------------------
 
-SHARED_SIZES = {"musique": 150, "2wikimqa": 102, "hotpotqa": 500, "hotpotqa_heldout": 100, "multi_news": 200, "samsum": 819,
+SHARED_SIZES = {"musique": 150, "2wikimqa": 102, "hotpotqa": 500, "hotpotqa_heldout": 100, "hotpotqa_train": 400,
+                "multi_news": 200, "samsum": 819,
                 "lb_hotpotqa": 13, "lb_2wikimqa": 13, "lb_musique": 7, "lb_samsum": 15, "lb_multi_news": 11}
-DOCS_PER_EXAMPLE = {"musique": 10, "2wikimqa": 10, "hotpotqa": 10, "hotpotqa_heldout": 10, "samsum": SAMSUM_DEMOS}
+DOCS_PER_EXAMPLE = {"musique": 10, "2wikimqa": 10, "hotpotqa": 10, "hotpotqa_heldout": 10, "hotpotqa_train": 10,
+                    "samsum": SAMSUM_DEMOS}
 
 
 @pytest.mark.parametrize("name", sorted(DATASETS))
 def test_first_examples_of_every_shared_dataset(shared: Path, name: str) -> None:
     examples = load_dataset(name, limit=3)
-    if name != "hotpotqa_heldout":  # ids are file rows: the held-out rows are a subset
+    if name not in ("hotpotqa_heldout", "hotpotqa_train"):  # ids are file rows: the splits are subsets
         assert [ex.id for ex in examples] == [f"{name}-{i}" for i in range(3)]
     for ex in examples:
         assert ex.task == DATASETS[name].task
@@ -406,6 +408,9 @@ def test_heldout_hotpotqa_is_the_split_training_never_reads(shared: Path) -> Non
     trained = {tuple(ex.documents) for ex in split.train}
     assert not any(tuple(ex.documents) in trained for ex in heldout)
     assert [ex.id for ex in load_dataset("hotpotqa_heldout", limit=5)] == [ex.id for ex in heldout[:5]]
+    tuning = load_dataset("hotpotqa_train")
+    assert [ex.documents for ex in tuning] == [ex.documents for ex in split.train]
+    assert not {ex.id for ex in tuning} & {ex.id for ex in heldout}
 
 
 def test_shared_dataset_sizes_match_the_readme(shared: Path) -> None:

@@ -316,6 +316,12 @@ def load_heldout(path: str | Path, limit: int | None = None, name: str | None = 
     return rows[:limit] if limit is not None else rows
 
 
+def load_train(path: str | Path, limit: int | None = None, name: str | None = None) -> list[QAExample]:
+    """The first `limit` HotpotQA rows outside the held-out split: what tuning a setting may read."""
+    rows = split_examples(load_ircot(path, None, name)).train
+    return rows[:limit] if limit is not None else rows
+
+
 # --- the registry ------------------------------------------------------------------------------
 
 DATASETS: dict[str, DatasetSpec] = {
@@ -323,6 +329,7 @@ DATASETS: dict[str, DatasetSpec] = {
     "2wikimqa": DatasetSpec("2wikimqa/wikimqa_s_clean.json", "qa", load_qa),
     "hotpotqa": DatasetSpec("hotpotqa/dev_subsampled.jsonl", "qa", load_ircot),  # training only
     "hotpotqa_heldout": DatasetSpec("hotpotqa/dev_subsampled.jsonl", "qa", load_heldout),
+    "hotpotqa_train": DatasetSpec("hotpotqa/dev_subsampled.jsonl", "qa", load_train),  # tuning only
     "multi_news": DatasetSpec("multi_news/multi_news.jsonl", "summarization", load_longbench),
     "samsum": DatasetSpec("samsum/test.jsonl", "summarization", load_samsum),
     **{
