@@ -77,6 +77,16 @@ def test_data_file_without_examples(tmp_path: Path, capsys) -> None:
     assert_one_error_line(code, capsys, "'empty'", "no examples")
 
 
+@pytest.mark.parametrize("lengths", ["0", "128,x", ""])
+def test_chunk_lengths_must_be_positive_token_counts(tmp_path: Path, capsys, lengths: str) -> None:
+    with pytest.raises(SystemExit) as exit_:  # argparse's own error: the usage, then one error line
+        main(["eval", "--chunk-tokens", lengths, *_no_model(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert "error: argument --chunk-tokens" in last and "positive token counts" in last
+
+
 def test_limit_zero_leaves_no_examples(tmp_path: Path, capsys) -> None:
     code = main(["bench", "--limit", "0", *_no_model(tmp_path)])  # the bundled sample, cut to nothing
     assert_one_error_line(code, capsys, "no examples", "--limit 0")

@@ -15,9 +15,8 @@ from cachetune.config import EngineConfig
 
 
 def cmd_eval(args) -> int:
-    from cachetune.eval.datasets import bundled_sample_path
+    from cachetune.eval.datasets import bundled_sample_path, rechunk
     from cachetune.eval.harness import EvalConfig, config_dict, run_eval
-    from cachetune.eval.datasets import rechunk
     from cachetune.eval.report import (by_chunk_length, format_by_length, format_tables, plot_frontier,
                                        plot_quality_by_length, plot_ratio_curves, plot_tradeoff, summarize_records,
                                        sweep_records)

@@ -92,7 +92,6 @@ def split_demos(context: str) -> list[str]:
     return [p for p in re.split(r"(?m)^(?=Dialogue: )", context) if p.strip()]
 
 
-
 # A sentence ends at . ! or ? followed by white space, and a paragraph at a blank line. A single line
 # break does not end one: a title line stays with the sentence under it.
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n\s*\n\s*")
@@ -129,6 +128,7 @@ def rechunk(example: QAExample, tokens: int, count: Callable[[str], int]) -> QAE
     if current.strip():
         chunks.append(current.rstrip())
     return dataclasses.replace(example, id=f"{example.id}@{tokens}t", documents=chunks, supporting=())
+
 
 # --- loaders, one per file format ------------------------------------------------------------
 
