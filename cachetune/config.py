@@ -30,6 +30,14 @@ TIER_ORDER = ("gpu", "cpu", "disk", "redis")  # tier kinds, fastest first
 ALLOCATIONS = ("proportional", "spread", "focus")
 SIGNALS = ("none", "question")
 QUALITY_FLOOR = 0.15  # the paper's r: the recompute share that keeps quality, and calibration's r_min
+# "auto"'s quality floor by chunk length: "TOKENS:RATIO,..." (a request whose chunks average at most
+# TOKENS tokens runs at RATIO or more; longer chunks at min_ratio). `cachetune eval --chunk-tokens`
+# learns one from a measurement: the least ratio that keeps the default's F1 at QUALITY_TARGET of full
+# recompute's at each length. On Qwen2.5-1.5B held-out HotpotQA cut into 512-token chunks that is 0.35
+# (0.97 of full recompute's F1; 0.85 at 0.15 and 0.25); at 128 and 256 tokens no ratio up to 0.35
+# reached it, so 0.35 stands for them too (docs/results.md, quality by chunk length).
+LENGTH_FLOORS = "512:0.35"
+QUALITY_TARGET = 0.95  # the share of full recompute's answer quality a quality floor keeps
 # Reference media a tier can be paced to (`disk@hdd`): (bytes per second, seconds per read).
 MEDIA = {
     "hdd": (150e6, 5e-3),  # a 7200 rpm disk: 150 MB/s, 5 ms a seek
@@ -62,6 +70,33 @@ def byte_size(text: str) -> int:
     if not match:
         raise ValueError(f"not a size: {text!r} (e.g. 4GiB, 512MiB, 1000000)")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_length_floors(text: str) -> tuple[tuple[int, float], ...]:
+    """'128:0.25,256:0.15' -> ((128, 0.25), (256, 0.15)): (mean chunk tokens at most, least ratio),
+    shortest first; '' -> () (ValueError naming the bad part otherwise)."""
+    floors = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        tokens, sep, ratio = part.partition(":")
+        try:
+            floor = (int(tokens), float(ratio))
+        except ValueError:
+            floor = None
+        if not sep or floor is None or floor[0] < 1 or not 0 <= floor[1] <= 1:
+            raise ValueError(f"length floor {part!r}: need TOKENS:RATIO with TOKENS >= 1 and RATIO in [0, 1]")
+        floors.append(floor)
+    if len({t for t, _ in floors}) != len(floors):
+        raise ValueError(f"length floors name a length twice: {text!r}")
+    return tuple(sorted(floors))
+
+
+def length_floor(floors: tuple[tuple[int, float], ...], lengths: list[int]) -> float | None:
+    """The floor for a request whose chunks have `lengths` tokens: that of the shortest entry their mean
+    fits under; None past the last entry or without chunks."""
+    if not lengths:
+        return None
+    mean = sum(lengths) / len(lengths)
+    return next((ratio for tokens, ratio in floors if mean <= tokens), None)
 
 
 @dataclass(frozen=True)
@@ -137,6 +172,7 @@ class EngineConfig:
     method: str = "cachetune"       # method of a request that names none (see `cachetune.methods`)
     ratio: float = QUALITY_FLOOR    # share of chunk tokens recomputed by methods with a budget (requests: or "auto")
     min_ratio: float = QUALITY_FLOOR  # r_min: calibration's quality floor; "auto" on a tier never calibrated
+    length_floors: str = LENGTH_FLOORS  # "auto"'s floor by mean chunk length: TOKENS:RATIO,... (longer: min_ratio)
     calibration: str | None = None  # the calibration file "auto" reads (None: <cache dir>/calibration.json)
     ranking: str = "first"          # offline ranker stored with each chunk, read by cachetune (chunks.rankers)
     # The default: every chunk's first tokens, then the rest shared among chunks by where the question
@@ -167,6 +203,7 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         parse_tiers(self.tiers)  # raises with the bad part named
+        parse_length_floors(self.length_floors)
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {self.allocation!r}")
         if self.signal not in SIGNALS:

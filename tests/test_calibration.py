@@ -231,7 +231,7 @@ def _prompt(engine, seeds=(31, 32)):
 
 
 def test_auto_is_the_floor_without_a_calibration_and_the_calibrated_ratio_with_one(tmp_path):
-    engine = tiny_engine(tiers="cpu", calibration=str(tmp_path / "c.json"), min_ratio=0.2)
+    engine = tiny_engine(tiers="cpu", calibration=str(tmp_path / "c.json"), min_ratio=0.2, length_floors="")
     prompt = _prompt(engine)
     assert engine.auto_ratio(prompt) == 0.2 and engine.calibrated_ratios() == {}
     engine.calibration.store(engine.calibration_key("cpu"), {"ratio": 0.45})
@@ -243,8 +243,25 @@ def test_auto_is_the_floor_without_a_calibration_and_the_calibrated_ratio_with_o
     # Another device's (or dtype's) calibration is not this engine's.
     other = CalibrationFile(tmp_path / "d.json")
     other.store(CalibrationKey(engine.fingerprint, "cuda:Some GPU", "float32", "cpu"), {"ratio": 0.9})
-    engine2 = tiny_engine(tiers="cpu", calibration=str(tmp_path / "d.json"))
+    engine2 = tiny_engine(tiers="cpu", calibration=str(tmp_path / "d.json"), length_floors="")
     assert engine2.auto_ratio(_prompt(engine2)) == EngineConfig.min_ratio
+
+
+def test_auto_never_goes_below_the_floor_for_the_request_s_mean_chunk_length(tmp_path):
+    """length_floors "50:0.4,100:0.25": chunks averaging 45 tokens run "auto" at 0.4 and those
+    averaging 80 at 0.25, whatever the tier's calibration says below that; longer ones keep min_ratio
+    or the calibrated ratio above it."""
+    engine = tiny_engine(tiers="cpu", calibration=str(tmp_path / "c.json"), min_ratio=0.15,
+                         length_floors="50:0.4,100:0.25")
+    short = engine.build_prompt([engine.cache_tokens(rand_ids(n, 60 + n)) for n in (40, 50)], "w5")
+    mid, long = _prompt(engine), engine.build_prompt([engine.cache_tokens(rand_ids(120, 63))], "w5")
+    assert [engine.auto_ratio(p) for p in (short, mid, long)] == [0.4, 0.25, 0.15]
+    engine.calibration.store(engine.calibration_key("cpu"), {"ratio": 0.3})
+    assert [engine.auto_ratio(p) for p in (short, mid, long)] == [0.4, 0.3, 0.3]
+    ids = [s.chunk.chunk_id for _, s in short.chunk_segments]
+    auto, fixed = engine.generate(ids, "w5", ratio=AUTO), engine.generate(ids, "w5", ratio=0.4)
+    assert auto.ratio == 0.4 and auto.token_ids == fixed.token_ids
+    assert auto.recomputed_tokens == round(0.4 * 90) == fixed.recomputed_tokens
 
 
 def test_a_request_without_a_ratio_gets_auto_only_where_a_tier_is_calibrated(tmp_path):
@@ -258,7 +275,8 @@ def test_a_request_without_a_ratio_gets_auto_only_where_a_tier_is_calibrated(tmp
 def test_auto_takes_the_slowest_tier_a_request_reads_from(tmp_path):
     # The cpu tier holds 60 rows: a 40-token chunk stays there, a 100-token one only fits on disk.
     row = 3 * 2 * 2 * 16 * 4  # layers x (K, V) x kv heads x head dim x float32 of the tiny model
-    engine = tiny_engine(tiers=f"cpu:{row * 60},disk:{tmp_path / 'kv'}", calibration=str(tmp_path / "c.json"))
+    engine = tiny_engine(tiers=f"cpu:{row * 60},disk:{tmp_path / 'kv'}", calibration=str(tmp_path / "c.json"),
+                         length_floors="")
     cpu, disk = engine.tier_labels()
     engine.calibration.store(engine.calibration_key(cpu), {"ratio": 0.15})
     engine.calibration.store(engine.calibration_key(disk), {"ratio": 0.6})
@@ -283,7 +301,8 @@ def test_bad_ratios_are_refused_with_a_clear_error(tmp_path):
 def test_calibration_on_a_slow_tier_recomputes_more_and_auto_then_uses_it(tmp_path):
     """A disk read at 1 MB/s: loading the tiny model's rows costs far more than computing them, so
     the search must leave the floor, beat it on measured TTFT, and be what "auto" serves."""
-    engine = tiny_engine(tiers=f"disk:{tmp_path / 'kv'}@1MB/s", calibration=str(tmp_path / "c.json"))
+    engine = tiny_engine(tiers=f"disk:{tmp_path / 'kv'}@1MB/s", calibration=str(tmp_path / "c.json"),
+                         length_floors="")
     prompts = [_prompt(engine, (41, 42)), _prompt(engine, (43, 44))]
     cfg = CalibrationConfig(repeats=1, eps=0.05)
     report = calibrate(engine, prompts, cfg, progress=False)
@@ -337,7 +356,8 @@ def test_deep_within_decides_by_the_engines_calibrated_price_scale(tmp_path):
                                  "w5 w6 w7 w8")
     price = deep_focus_price(engine.adapter, prompt, 0.3, DEEP_DTYPE)
     assert 0 < price < 0.45
-    own = "cachetune:first:allocation=focus:start_share=0.8:signal=question:signal_layers=1:signal_tokens=1"
+    own = ("cachetune:first:allocation=focus:start_share=0.8:signal=question:signal_layers=1:signal_tokens=1"
+           ":short_chunks=0")  # deep_within alone decides
     deep_logits = _logits(engine, prompt, deep_focus_spec(engine.adapter.num_layers))
     own_logits = _logits(engine, prompt, f"{own}:deep_within=0")
     assert not torch.equal(deep_logits, own_logits)  # the two choices differ on this prompt

@@ -127,6 +127,32 @@ def test_eval_retimes_named_methods_beside_the_ones_a_resumed_run_adds(qa_file, 
     assert main([*base[:-2], "--retime", "no_such_method", "--methods", "full_reuse"]) == 2
 
 
+def test_eval_reruns_named_methods_whose_records_were_made_with_other_settings(qa_file, tmp_path):
+    """--rerun: a resumed example runs a method again where its record names other settings than the
+    method has now (a record from before a default changed), beside a fresh full recompute, and
+    replaces it; run again, nothing repeats, so an interrupted rerun resumes."""
+    out = tmp_path / "eval.json"
+    progress = out.with_suffix(".progress.jsonl")
+    base = ["eval", "--data", str(qa_file), "--max-new-tokens", "3", "--json", str(out),
+            "--methods", "full_reuse,epic", "--rerun", "epic"]
+    assert main(base) == 0
+    first = json.loads(out.read_text())["examples"][0]["methods"]
+    assert main(base) == 0  # every record made with today's settings: nothing runs
+    assert json.loads(out.read_text())["examples"][0]["methods"] == first
+    rows = [json.loads(line) for line in progress.read_text().splitlines()]
+    for row in rows:  # as if the first run had used another setting of epic
+        row["record"]["methods"]["epic"]["settings"] = {"ratio": 0.5}
+    progress.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(base) == 0
+    rerun = json.loads(out.read_text())["examples"][0]["methods"]
+    assert rerun["epic"]["settings"] == first["epic"]["settings"] and rerun["epic"]["ttft_ms"] != first["epic"]["ttft_ms"]
+    assert rerun["epic"]["full_ttft_ms"] != [first["full_recompute"]["ttft_ms"][0]]  # against the fresh full recompute
+    assert rerun["full_reuse"] == first["full_reuse"] and rerun["full_recompute"] == first["full_recompute"]
+    assert main(base) == 0
+    assert json.loads(out.read_text())["examples"][0]["methods"] == rerun
+    assert main([*base[:-2], "--rerun", "no_such_method"]) == 2
+
+
 def test_eval_runs_ratio_methods_once_per_ratio(qa_file, tmp_path):
     out = tmp_path / "eval.json"
     code = main(["eval", "--data", str(qa_file), "--methods", "epic,cacheblend,cachetune:probe", "--ratios",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cachetune.config import DISK_TIER_BYTES, GiB, EngineConfig, TierSpec, parse_tiers
+from cachetune.config import (DISK_TIER_BYTES, GiB, EngineConfig, TierSpec, length_floor, parse_length_floors,
+                              parse_tiers)
 from cachetune.runtime.decode import SamplingConfig, sample
 
 
@@ -24,10 +25,19 @@ def test_config_loads_from_toml_and_json_with_overrides(tmp_path):
                                  {"device": "gpu0"}, {"device": "mps"}, {"threads": "2"}, {"prefetch": "yes"},
                                  {"ratio": float("nan")}, {"kv_budget_bytes": 0}, {"max_running": True},
                                  {"allocation": "sideways"}, {"signal": "psychic"}, {"deep_within": 1.5},
-                                 {"deep_within": None}])
+                                 {"deep_within": None}, {"length_floors": "128"}, {"length_floors": "128:1.5"},
+                                 {"length_floors": "0:0.2"}, {"length_floors": "128:0.2,128:0.3"},
+                                 {"length_floors": "short:0.2"}])
 def test_config_rejects_invalid_values(bad):
     with pytest.raises(ValueError):
         EngineConfig(**bad)
+
+
+def test_length_floors_parse_shortest_first_and_apply_by_the_mean_chunk_length():
+    floors = parse_length_floors(" 256:0.2, 128:0.3 ,")
+    assert floors == ((128, 0.3), (256, 0.2)) and parse_length_floors("") == ()
+    assert [length_floor(floors, lengths) for lengths in ([100, 150], [128], [129], [200, 312], [257], [])] == \
+        [0.3, 0.3, 0.2, 0.2, None, None]
 
 
 def test_config_file_with_wrong_types_names_the_field(tmp_path):

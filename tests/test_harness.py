@@ -8,11 +8,13 @@ import json
 import pytest
 import torch
 
+from cachetune.config import parse_length_floors
 from cachetune.eval.datasets import QAExample
 from cachetune.eval.harness import EvalConfig, ProgressLog, Setting, Variant, _Request, run_example
-from cachetune.eval.report import (best_within, by_chunk_length, chunk_length_of, format_by_length, format_tables,
-                                   paired_comparison, pareto_frontier, plot_frontier, plot_quality_by_length,
-                                   plot_tradeoff, summarize_records, sweep_records)
+from cachetune.eval.report import (best_within, by_chunk_length, chunk_length_of, format_by_length,
+                                   format_quality_floors, format_tables, paired_comparison, pareto_frontier,
+                                   plot_frontier, plot_quality_by_length, plot_tradeoff, quality_floors,
+                                   summarize_records, sweep_records)
 
 
 def test_config_puts_full_recompute_first_once_and_rejects_unknown_methods():
@@ -332,3 +334,27 @@ def test_quality_by_chunk_length_pairs_each_re_chunked_set_with_its_length(tmp_p
     assert png.name == "quality_by_chunk_length.png" and png.stat().st_size > 0
     assert chunk_length_of("a@b@64t") == ("a@b", 64) and chunk_length_of("musique") is None
     assert plot_quality_by_length({**report, "datasets": {"musique": report["datasets"]["musique"]}}, tmp_path) is None
+
+
+def test_quality_floors_are_the_least_ratio_that_kept_the_target_on_every_set():
+    """Per chunk length, the least of the run's ratio and the `cachetune@r` variants whose quality kept
+    95% of full recompute's on every set; a length where none did is named as such, and the floors
+    read back as an EngineConfig.length_floors value."""
+    scores = {  # (set, length) -> cachetune's F1 at r = 0.15, 0.25, 0.35 (full recompute's: 1.0)
+        ("a", 128): (0.5, 0.9, 0.97), ("b", 128): (0.6, 0.96, 0.99),
+        ("a", 256): (0.1, 0.2, 0.3), ("b", 256): (0.5, 0.5, 0.5),
+        ("a", 512): (0.96, 1.0, 1.0), ("b", 512): (0.96, 0.9, 1.0)}
+    labels = ["full_recompute", "cachetune", "cachetune@0.25", "cachetune@0.35"]
+    records = []
+    for (name, length), values in scores.items():
+        for i in range(3):
+            record = _record(f"{name}@{length}t", i, [1000.0], [100.0])
+            fast = record["methods"].pop("fast")
+            record["methods"].update({label: {**fast, "score": v} for label, v in zip(labels[1:], values)})
+            records.append(record)
+    report = {"config": {"ratio": 0.15}, "datasets": summarize_records(records, labels)}
+    floors = quality_floors(report)
+    assert floors == {128: 0.35, 256: None, 512: 0.15}
+    line = format_quality_floors(floors)
+    assert "`--length-floors '128:0.35,512:0.15'`" in line and "at 256 tokens" in line
+    assert parse_length_floors("128:0.35,512:0.15") == ((128, 0.35), (512, 0.15))

@@ -18,6 +18,7 @@ from cachetune.runtime import prefix_cache
 from cachetune.runtime.prefix_cache import PrefixCache
 from cachetune.methods import SelectionRequest, SelectiveMethod, make_method, method_names, split_global_top
 from cachetune.methods.allocation import allocate, proportional_quotas
+from cachetune.methods.cachetune import SHORT_CHUNKS, SHORT_WITHIN
 from cachetune.methods.signals import PRICE_SCALE, deep_focus_price, observe_reuse, question_attention, signal_adapter
 from cachetune.model.adapter import fast_bfloat16
 from conftest import assert_close, build_layout, hf_forward, none_selected, rand_ids
@@ -60,6 +61,9 @@ def _select(name, adapter, layout, ratio, price_scale=None):
     return make_method(name).selector.select(_request(adapter, layout, price_scale), ratio)
 
 
+# Deep focus in full, as the default runs it on a request it sends deep.
+DEEP_SPEC = ("cachetune:first:allocation=focus:start_share=0.5:signal=question:signal_layers={layers}"
+             ":signal_tokens=none:signal_dtype=auto")
 SELECTIVE = [name for name in method_names() if isinstance(make_method(name), SelectiveMethod)]
 
 
@@ -239,10 +243,10 @@ def test_deep_within_takes_deep_focus_where_it_is_cheap_and_its_own_settings_els
     layout, _ = build_layout(adapter, _parts(chunks=(90, 70, 120)))
     price = (PRICE_SCALE if price_scale is None else price_scale) * deep_focus_price(adapter, layout, 0.3, "auto")
     assert 0 < price < 0.99
-    base = "cachetune:first:allocation=focus:start_share=0.8:signal=question:signal_layers=1:signal_tokens=1"
+    base = ("cachetune:first:allocation=focus:start_share=0.8:signal=question:signal_layers=1:signal_tokens=1"
+            ":short_chunks=0")
     own = f"{base}:deep_within=0"
-    deep = (f"cachetune:first:allocation=focus:start_share=0.5:signal=question:signal_layers={adapter.num_layers}"
-            ":signal_tokens=none:signal_dtype=auto")
+    deep = DEEP_SPEC.format(layers=adapter.num_layers)
     picks = {name: _select(name, adapter, layout, 0.3) for name in (own, deep)}
     assert any(not torch.equal(a, b) for a, b in zip(picks[own], picks[deep]))  # the two choices differ here
     for within, expected in [(price * 1.01, deep), (price * 0.99, own), (0, own), ("none", own)]:
@@ -250,19 +254,20 @@ def test_deep_within_takes_deep_focus_where_it_is_cheap_and_its_own_settings_els
         assert all(torch.equal(a, b) for a, b in zip(got, picks[expected])), within
 
 
-def test_the_default_selection_takes_deep_focus_within_the_configured_share_and_only_under_focus(llama):
+@pytest.mark.parametrize("chunks,within", [((600,), EngineConfig.deep_within), ((90, 70, 120), SHORT_WITHIN)])
+def test_the_default_selection_takes_deep_focus_within_the_share_for_its_chunk_lengths(llama, chunks, within):
     """Plain `cachetune` is focus with deep focus where its price is within EngineConfig.deep_within
-    (here the machine's scale moves the price across it); the engine's config can switch it off, and
-    a selection other than focus with the question signal ignores the setting."""
+    on chunks averaging more than SHORT_CHUNKS tokens and within SHORT_WITHIN on shorter ones (here
+    the machine's scale moves the price across it); the engine's config can switch it off, and a
+    selection other than focus with the question signal ignores the setting."""
     _, adapter = llama
-    layout, _ = build_layout(adapter, _parts(chunks=(90, 70, 120)))
+    layout, _ = build_layout(adapter, _parts(chunks=chunks))
+    assert (sum(chunks) <= SHORT_CHUNKS * len(chunks)) == (within == SHORT_WITHIN)
     price = deep_focus_price(adapter, layout, 0.3, "auto")
-    deep = (f"cachetune:first:allocation=focus:start_share=0.5:signal=question:signal_layers={adapter.num_layers}"
-            ":signal_tokens=none:signal_dtype=auto")
+    deep = DEEP_SPEC.format(layers=adapter.num_layers)
     focus = "cachetune:deep_within=0"
     picks = {name: _select(name, adapter, layout, 0.3) for name in (deep, focus)}
     assert any(not torch.equal(a, b) for a, b in zip(picks[deep], picks[focus]))
-    within = EngineConfig.deep_within
     for scale, expected in [(0.99 * within / price, deep), (1.01 * within / price, focus)]:
         got = _select("cachetune", adapter, layout, 0.3, scale)
         assert all(torch.equal(a, b) for a, b in zip(got, picks[expected])), scale
@@ -272,6 +277,30 @@ def test_the_default_selection_takes_deep_focus_within_the_configured_share_and_
     spread = "cachetune:first:allocation=spread:signal=question"
     assert all(torch.equal(a, b) for a, b in zip(_select(f"{spread}:deep_within=1", adapter, layout, 0.3, 0.01),
                                                   _select(f"{spread}:deep_within=0", adapter, layout, 0.3)))
+
+
+@pytest.mark.parametrize("settings,deep", [("short_chunks=94:short_within=HIGH", True),
+                                           ("short_chunks=94:short_within=LOW", False),
+                                           ("short_chunks=93:short_within=HIGH", False),
+                                           ("short_chunks=none:short_within=HIGH", False),
+                                           ("short_chunks=94:short_within=HIGH:deep_within=0", False)])
+def test_short_chunks_take_deep_focus_within_their_own_price_limit(llama, settings, deep):
+    """A request whose chunks average at most `short_chunks` tokens (here 280/3 = 93.3) takes deep
+    focus where its price is within `short_within`, though above `deep_within`; longer chunks, no
+    `short_chunks`, or deep focus switched off (deep_within 0) keep the settings' own selection."""
+    _, adapter = llama
+    layout, _ = build_layout(adapter, _parts(chunks=(90, 70, 120)))
+    price = PRICE_SCALE * deep_focus_price(adapter, layout, 0.3, "auto")
+    base = "cachetune:first:allocation=focus:start_share=0.8:signal=question:signal_layers=1:signal_tokens=1"
+    if "deep_within" not in settings:
+        base += f":deep_within={price / 2}"
+    own = f"{base}:short_chunks=0"
+    picks = {True: _select(DEEP_SPEC.format(layers=adapter.num_layers), adapter, layout, 0.3),
+             False: _select(own, adapter, layout, 0.3)}
+    assert any(not torch.equal(a, b) for a, b in zip(picks[True], picks[False]))  # the two choices differ here
+    spec = f"{base}:{settings.replace('HIGH', str(price * 1.01)).replace('LOW', str(price * 0.99))}"
+    got = _select(spec, adapter, layout, 0.3)
+    assert all(torch.equal(a, b) for a, b in zip(got, picks[deep]))
 
 
 def test_deep_focus_price_is_one_at_ratio_zero_and_falls_with_the_ratio_and_rises_with_extra_attention(llama):

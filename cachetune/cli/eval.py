@@ -17,15 +17,16 @@ from cachetune.config import EngineConfig
 def cmd_eval(args) -> int:
     from cachetune.eval.datasets import bundled_sample_path, rechunk
     from cachetune.eval.harness import EvalConfig, config_dict, run_eval
-    from cachetune.eval.report import (by_chunk_length, format_by_length, format_tables, plot_frontier,
-                                       plot_quality_by_length, plot_ratio_curves, plot_tradeoff, summarize_records,
-                                       sweep_records)
+    from cachetune.eval.report import (by_chunk_length, format_by_length, format_quality_floors, format_tables,
+                                       plot_frontier, plot_quality_by_length, plot_ratio_curves, plot_tradeoff,
+                                       quality_floors, summarize_records, sweep_records)
 
     sets = datasets(args, str(bundled_sample_path()))
     cfg = EvalConfig(methods=methods(args.methods), ratio=EngineConfig.ratio if args.ratio is None else args.ratio,
                      ratios=floats(args.ratios), sweep_examples=args.sweep_examples,
                      max_new_tokens=args.max_new_tokens, repeats=args.repeats, system=args.system,
-                     retime=tuple(methods(args.retime)) if args.retime else ())
+                     retime=tuple(methods(args.retime)) if args.retime else (),
+                     rerun=tuple(methods(args.rerun)) if args.rerun else ())
     eng = engine(args)
     if args.chunk_tokens:  # each set once per length, its documents cut again: "musique@128t"
 
@@ -57,7 +58,9 @@ def cmd_eval(args) -> int:
     table = format_tables(report)
     if args.chunk_tokens:
         report["by_chunk_length"] = by_chunk_length(report)
-        table += "\n\n" + format_by_length(report["by_chunk_length"])
+        report["quality_floors"] = quality_floors(report)
+        table += ("\n\n" + format_by_length(report["by_chunk_length"]) + "\n\n"
+                  + format_quality_floors(report["quality_floors"]))
     report_out(report, table, args.json)
     if args.plots:
         sweep = {**report, "datasets": report.get("frontier", report["datasets"])}
@@ -112,6 +115,9 @@ def _eval_args(p: argparse.ArgumentParser, default_methods: str, repeats: int) -
     p.add_argument("--fresh", action="store_true", help="ignore (delete) earlier progress for --json")
     p.add_argument("--retime", help="comma-separated methods already recorded for an example that run again "
                                     "when a resumed run adds others to it, so both are timed in one pass")
+    p.add_argument("--rerun", help="comma-separated methods that run again on each resumed example whose record of "
+                                   "them was made with other settings (a default changed), with a fresh full "
+                                   "recompute timed in the same pass")
     p.add_argument("--plots", help="directory for the quality/fidelity vs TTFT PNGs")
     engine_args(p, own=("ratio", "max_new_tokens"))
     p.set_defaults(func=cmd_eval)

@@ -33,7 +33,7 @@ import torch
 from cachetune.c2kv.bank import ExtractorBank
 from cachetune.chunks.rankers import get_ranker
 from cachetune.chunks.rankings import ChunkRankings
-from cachetune.config import EngineConfig, parse_tiers
+from cachetune.config import EngineConfig, length_floor, parse_length_floors, parse_tiers
 from cachetune.engine.calibration import (AUTO, FILE_NAME, PRICE, RATIO, CalibrationFile, CalibrationKey,
                                          device_identity)
 from cachetune.engine.chunk_cache import ChunkCache, ranking_context
@@ -249,10 +249,13 @@ class Engine:
     def auto_ratio(self, prompt: PromptLayout) -> float:
         """The ratio "auto" means for `prompt`: the largest calibrated ratio among the tiers its chunks
         were read from (the slowest read sets the pace), a tier without a calibration counting as
-        config.min_ratio (the quality floor); min_ratio for a prompt without chunks."""
+        config.min_ratio (the quality floor), and never below the floor for its chunks' mean length
+        (config.length_floors); min_ratio for a prompt without chunks."""
         tiers = {seg.chunk.tier for _, seg in prompt.chunk_segments}
         ratios = [self.calibration.ratio(self.calibration_key(t)) if t else None for t in tiers]
-        return max([self.config.min_ratio, *(r for r in ratios if r is not None)])
+        floor = length_floor(parse_length_floors(self.config.length_floors),
+                             [seg.chunk.num_tokens for _, seg in prompt.chunk_segments])
+        return max([self.config.min_ratio, *(r for r in (*ratios, floor) if r is not None)])
 
     def unavailable(self, method: Method) -> str | None:
         """Why `method` cannot serve on this engine (e.g. trained weights it needs are missing), or None."""

@@ -59,9 +59,12 @@ class EvalConfig:
     # Methods run again on a resumed example beside the ones a run adds to it, so that both are timed in
     # one pass (the record of a re-run method is replaced; its KL and answers are deterministic).
     retime: tuple[str, ...] = ()
+    # Methods run again on a resumed example whose record of them was made with other settings (their
+    # default changed): the record is replaced, so a rerun interrupted and resumed does not repeat itself.
+    rerun: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        unknown = [m for m in (*self.methods, *self.retime) if not is_method(m.partition("@")[0])]
+        unknown = [m for m in (*self.methods, *self.retime, *self.rerun) if not is_method(m.partition("@")[0])]
         if unknown:
             raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(method_names())}, cachetune:<ranking>")
         for m in self.methods:
@@ -241,6 +244,13 @@ def _gold_nll(engine: Engine, result, gold: list[int]) -> float:
     return float(torch.nn.functional.cross_entropy(logits, torch.tensor(gold, device=logits.device)))
 
 
+def settings_record(engine: Engine, variant: Variant) -> dict:
+    """The settings `variant`'s method runs with on `engine`, as a progress record stores them (what
+    EvalConfig.rerun compares)."""
+    settings = engine.method(variant.method, variant.ratio).settings
+    return json.loads(json.dumps(asdict(settings), default=str)) if dataclasses.is_dataclass(settings) else {}
+
+
 def run_example(engine: Engine, req: _Request, variants: list[Variant], dataset: str, repeats: int = 0,
                 gold_nll: bool = False) -> dict:
     """Serve one prepared request with every variant (the first must be full recompute: the reference).
@@ -289,6 +299,7 @@ def run_example(engine: Engine, req: _Request, variants: list[Variant], dataset:
             "prompt_rows": result.prompt_rows,
             "answer": text,
             "device": device,
+            "settings": settings_record(engine, variant),
         }
         if nll is not None:
             record["methods"][variant.label]["nll"] = nll
@@ -396,11 +407,14 @@ def run_eval(engine: Engine, datasets: dict[str, list[QAExample]], cfg: EvalConf
             # Resume: run only the variants the record lacks, against a fresh reference (full
             # recompute is deterministic, so its answer and logits are the ones the record used).
             added = [v for v in todo_variants if v.label not in old["methods"]]
-            if not added:
+            kept = [v for v in todo_variants[1:] if v.label in old["methods"]]
+            stale = [v for v in kept if v.method in cfg.rerun
+                     and old["methods"][v.label].get("settings") != settings_record(engine, v)]
+            if not added and not stale:
                 records.append(old)
                 continue
-            again = [v for v in todo_variants if v.method in cfg.retime and v.label in old["methods"]]
-            todo_variants = [variants[0], *again, *added]
+            again = [v for v in kept if v not in stale and added and v.method in cfg.retime]
+            todo_variants = [variants[0], *stale, *again, *added]
         req = prepare(engine, ex, todo_variants, cfg.system, cfg.max_new_tokens)
         setting.apply(req, exs[(i + 1) % len(exs)])
         if not warm:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from cachetune.atomic import write_text_atomic
+from cachetune.config import QUALITY_TARGET
 from cachetune.methods.full_recompute import FULL_RECOMPUTE
 from cachetune.eval.metrics import bootstrap_mean, paired_ratio, summarize
 
@@ -406,6 +407,34 @@ def by_chunk_length(report: dict) -> dict[str, list[dict]]:
     for rows in out.values():
         rows.sort(key=lambda r: (r["chunk_tokens"], r["method"]))
     return out
+
+
+def quality_floors(report: dict, method: str = "cachetune", target: float = QUALITY_TARGET) -> dict[int, float | None]:
+    """Chunk length -> the least ratio at which `method` (its plain label at the run's ratio and its
+    `method@r` variants) kept quality at `target` of full recompute's on every re-chunked set that ran
+    it; None where no ratio measured did. What "auto"'s floor by chunk length (length_floors) is
+    learned from."""
+    kept: dict[int, dict[float, bool]] = {}
+    for rows in by_chunk_length(report).values():
+        for row in rows:
+            base, at, text = row["method"].partition("@")
+            if base != method or row["quality_vs_full"] is None:
+                continue
+            ratio = float(text) if at else report["config"]["ratio"]
+            ratios = kept.setdefault(row["chunk_tokens"], {})
+            ratios[ratio] = ratios.get(ratio, True) and row["quality_vs_full"] >= target
+    return {length: min((r for r, ok in ratios.items() if ok), default=None) for length, ratios in sorted(kept.items())}
+
+
+def format_quality_floors(floors: dict[int, float | None], method: str = "cachetune",
+                          target: float = QUALITY_TARGET) -> str:
+    """One markdown line: the floors as an EngineConfig.length_floors value, and the lengths where no
+    ratio measured kept the target."""
+    found = ",".join(f"{length}:{ratio:g}" for length, ratio in floors.items() if ratio is not None)
+    missed = [str(length) for length, ratio in floors.items() if ratio is None]
+    line = (f"Least ratio at which {method} kept {target:.0%} of full recompute's quality at each chunk length: "
+            f"`--length-floors '{found}'`")
+    return line + (f" (none measured kept it at {', '.join(missed)} tokens)" if missed else "")
 
 
 def format_by_length(rows_by_set: dict[str, list[dict]]) -> str:
