@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PhiConfi
 from cachetune.runtime.decode import SamplingConfig, extend, generate_tokens
 from cachetune.runtime.prefill import full_prefill, selective_prefill
 from cachetune.engine.selfcheck import run_self_check
+from cachetune.methods.signals import linear_macs
 from cachetune.model.adapter import ModelAdapter, UnsupportedModelError
 from conftest import (
     _COMMON,
@@ -205,3 +206,12 @@ def _tiny(cfg):
 def test_unsupported_architecture_is_refused(cfg, name):
     with pytest.raises(UnsupportedModelError, match=repr(name)):
         ModelAdapter(_tiny(cfg))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_linear_macs_from_the_config_count_every_2d_weight_of_a_layer(tiny_adapter, family):
+    """Deep focus's price counts a layer's linear maps from the model's config (vLLM's CPU build repacks
+    the weights): on every family that count is the layer's own 2-D weights."""
+    _, adapter = tiny_adapter(family)
+    weights = sum(w.numel() for w in adapter.layers[0].parameters() if w.dim() == 2)
+    assert linear_macs(adapter) == weights

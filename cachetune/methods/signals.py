@@ -47,8 +47,16 @@ PRICE_SCALE = 1.0
 
 
 def linear_macs(adapter: ModelAdapter) -> int:
-    """Multiply-adds of one layer's linear maps for one token (its 2-D weights: projections and MLP)."""
-    return sum(w.numel() for w in adapter.layers[0].parameters() if w.dim() == 2)
+    """Multiply-adds of one layer's linear maps for one token on this rank: the attention projections
+    and a gated MLP, counted from the model's config (vLLM's CPU build repacks weights, leaving the
+    parameters' shapes empty), or from the layer's 2-D weights where the config does not give them."""
+    config = getattr(adapter, "config", None)
+    hidden, inner = getattr(config, "hidden_size", None), getattr(config, "intermediate_size", None)
+    if not isinstance(hidden, int) or not isinstance(inner, int):
+        return sum(w.numel() for w in adapter.layers[0].parameters() if w.dim() == 2)
+    q, kv = adapter.num_heads * adapter.head_dim, adapter.num_kv_heads * adapter.head_dim  # this rank's
+    share = adapter.num_heads / config.num_attention_heads  # this rank's share of the MLP
+    return int(hidden * (2 * q + 2 * kv) + 3 * hidden * inner * share)
 
 
 def deep_focus_price(adapter: ModelAdapter, layout: PromptLayout, ratio: float, dtype: str,
