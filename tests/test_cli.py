@@ -247,9 +247,13 @@ def test_calibrate_stores_a_ratio_that_ask_with_ratio_auto_then_uses(tmp_path, q
         (tmp_path / f"d{i}.txt").write_text(doc)
         docs += ["--doc", str(tmp_path / f"d{i}.txt")]
     capsys.readouterr()
-    assert main(["ask", *docs, "--question", "Where is Kilimanjaro?", "--max-new-tokens", "4", "--ratio", "auto",
-                 "--tiers", f"{tier}@20MB/s", "--calibration", calibration]) == 0
+    ask = ["ask", *docs, "--question", "Where is Kilimanjaro?", "--max-new-tokens", "4", "--ratio", "auto",
+           "--tiers", f"{tier}@20MB/s", "--calibration", calibration]
+    assert main([*ask, "--length-floors", ""]) == 0
     assert f"[cachetune r={report['ratio']:.3g}]" in capsys.readouterr().err
+    # These documents are short: by default "auto" keeps at least the floor for their length.
+    assert main([*ask, "--length-floors", "512:0.9"]) == 0
+    assert "[cachetune r=0.9]" in capsys.readouterr().err
     assert main(["calibrate", "--tier", "cpu,disk", "--data", str(qa_file)]) == 2  # one tier at a time
 
 
