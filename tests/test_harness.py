@@ -14,7 +14,7 @@ from cachetune.eval.harness import EvalConfig, ProgressLog, Setting, Variant, _R
 from cachetune.eval.report import (best_within, by_chunk_length, chunk_length_of, format_by_length,
                                    format_quality_floors, format_tables, paired_comparison, pareto_frontier,
                                    plot_frontier, plot_quality_by_length, plot_tradeoff, quality_floors,
-                                   summarize_records, sweep_records)
+                                   ratio_curves, summarize_records, sweep_records)
 
 
 def test_config_puts_full_recompute_first_once_and_rejects_unknown_methods():
@@ -334,6 +334,17 @@ def test_quality_by_chunk_length_pairs_each_re_chunked_set_with_its_length(tmp_p
     assert png.name == "quality_by_chunk_length.png" and png.stat().st_size > 0
     assert chunk_length_of("a@b@64t") == ("a@b", 64) and chunk_length_of("musique") is None
     assert plot_quality_by_length({**report, "datasets": {"musique": report["datasets"]["musique"]}}, tmp_path) is None
+
+
+def test_ratio_curves_join_a_bare_label_at_the_runs_ratio():
+    """A method listed bare and at other ratios ("x", "x@0.25") is one curve with the bare row at the
+    run's ratio; a method run at one budget only is a line; full recompute is neither."""
+    rows = [{"method": m, "kl_to_full": kl} for m, kl in [
+        ("full_recompute", 0.0), ("x", 0.3), ("x@0.35", 0.1), ("x@0.25", 0.2), ("epic", 0.4), ("y@0.5", 0.05)]]
+    curves, lines = ratio_curves(rows, 0.15)
+    assert curves == {"x": [(0.15, 0.3), (0.25, 0.2), (0.35, 0.1)], "y": [(0.5, 0.05)]}
+    assert lines == {"epic": 0.4}
+    assert ratio_curves(rows)[1] == {"x": 0.3, "epic": 0.4}  # no known ratio: the bare row stays a line
 
 
 def test_quality_floors_are_the_least_ratio_that_kept_the_target_on_every_set():

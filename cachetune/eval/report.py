@@ -277,29 +277,48 @@ def plot_tradeoff(report: dict, out_dir: str | Path) -> list[Path]:
     return written
 
 
+def ratio_curves(results: list[dict], ratio: float | None = None
+                 ) -> tuple[dict[str, list[tuple[float, float]]], dict[str, float]]:
+    """A dataset's rows as (r, KL to full) points per method run at several ratios ("name@r"), sorted
+    by r, and the KL of every other method but full recompute (a horizontal line). A bare label whose
+    method also ran at other ratios is its point at `ratio`, the run's own budget."""
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for r in results:
+        base, at, share = r["method"].partition("@")
+        if at:
+            curves.setdefault(base, []).append((float(share), r["kl_to_full"]))
+    lines = {}
+    for r in results:
+        name = r["method"]
+        if "@" in name or name == "full_recompute":
+            continue
+        if name in curves and ratio is not None:
+            curves[name].append((ratio, r["kl_to_full"]))
+        else:
+            lines[name] = r["kl_to_full"]
+    return {base: sorted(points) for base, points in curves.items()}, lines
+
+
 def plot_ratio_curves(report: dict, out_dir: str | Path) -> Path | None:
-    """KL to full against the budget r for every method run at several ratios ("name@r" labels);
-    methods without a budget (full reuse, EPIC's fixed k) are horizontal lines; rows on fewer examples
-    than their dataset's are left out. None if no such run."""
+    """KL to full against the budget r for every method run at several ratios ("name@r" labels, and
+    its bare label at the run's ratio); methods without a budget (full reuse, EPIC's fixed k) are
+    horizontal lines; rows on fewer examples than their dataset's are left out. None if no such run."""
     rows = {name: [r for r in ds["results"] if covers_all(r, ds)] for name, ds in report["datasets"].items()}
     if not any("@" in r["method"] for results in rows.values() for r in results):
         return None
     plt = pyplot()
+    ratio = report.get("config", {}).get("ratio")
     labels = [r["method"].partition("@")[0] for results in rows.values() for r in results]
     fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows) + legend_inches(labels, 8), 4.5),
                              squeeze=False)
     for ax, (name, results) in zip(axes[0], rows.items()):
-        curves: dict[str, list[tuple[float, float]]] = {}
-        for r in results:
-            base, at, ratio = r["method"].partition("@")
-            if at:
-                curves.setdefault(base, []).append((float(ratio), r["kl_to_full"]))
-            elif base != "full_recompute":
-                ax.axhline(r["kl_to_full"], linestyle="--", linewidth=1, color="gray")
-                ax.annotate(base, (0.01, r["kl_to_full"]), xycoords=("axes fraction", "data"), fontsize=7,
-                            color="gray", va="bottom")
+        curves, lines = ratio_curves(results, ratio)
+        for base, kl in lines.items():
+            ax.axhline(kl, linestyle="--", linewidth=1, color="gray")
+            ax.annotate(base, (0.01, kl), xycoords=("axes fraction", "data"), fontsize=7, color="gray",
+                        va="bottom")
         for i, (base, points) in enumerate(curves.items()):
-            xs, ys = zip(*sorted(points))
+            xs, ys = zip(*points)
             ax.plot(xs, ys, marker="osD^v<>ph*"[i % 10], color=plt.cm.tab10(i % 10), label=base)
         ax.set_xlabel("recomputed share r")
         ax.set_ylabel("KL to full recompute (lower is better)")
