@@ -6,6 +6,7 @@ run as every other variant. Resumable: rows already in the output file are skipp
 
     python experiments/selection/selection_kl.py --data hotpotqa_heldout --limit 12 [--skip N] --variants FILE --out OUT.jsonl
     python experiments/selection/selection_kl.py --data musique --rows 37,43,48 --variants FILE --out OUT.jsonl
+    python experiments/selection/selection_kl.py --model qwen2.5-coder-1.5b --dtype bfloat16 --data hotpotqa_train --limit 30 --chunk-tokens 128 --variants FILE --out OUT.jsonl
     python experiments/selection/selection_kl.py --summary OUT.jsonl [...] [--baseline VARIANT] [--pool] [--only VARIANT ...]
                                    [--plot PNG [--title T] [--ttft-bar 1.10]]
     python experiments/selection/selection_kl.py --data musique --rows 0,1 --answers --variants FILE --out ANSWERS.jsonl
@@ -44,7 +45,7 @@ from tqdm import tqdm
 
 from cachetune.config import EngineConfig
 from cachetune.engine.engine import Engine
-from cachetune.eval.datasets import load_dataset
+from cachetune.eval.datasets import load_dataset, rechunk
 from cachetune.eval.harness import Variant, _teacher_forced_logits, prepare
 from cachetune.eval.metrics import bootstrap_mean, kl_to_reference, paired_ratio, score_answer
 from cachetune.eval.report import pyplot, save_figure
@@ -55,8 +56,8 @@ def run(args) -> None:
     specs = [line.strip() for line in Path(args.variants).read_text().splitlines()
              if line.strip() and not line.startswith("#")]
     # Every variant means what its name spells: no selection setting comes from the engine's defaults.
-    config = EngineConfig(model=args.model, threads=args.threads, allocation="proportional", signal="none",
-                          deep_within=0)
+    config = EngineConfig(model=args.model, threads=args.threads, dtype=args.dtype, allocation="proportional",
+                          signal="none", deep_within=0)
     engine = Engine.from_pretrained(config=config)
     out = Path(args.out)
     done = set()
@@ -73,6 +74,9 @@ def run(args) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as f:
         examples = pick_rows(args.data, args.limit, args.skip, args.rows)
+        if args.chunk_tokens:  # ids become ROW@Nt, as `cachetune eval --chunk-tokens` names them
+            count = lambda text: int(engine.template.encode(text).numel())  # noqa: E731
+            examples = [rechunk(ex, args.chunk_tokens, count) for ex in examples]
         for ex in tqdm(examples, desc=args.data, unit="example"):
             todo = [v for v in variants if (ex.id, v.label) not in done]
             if not todo:
@@ -86,16 +90,18 @@ def run(args) -> None:
                 for v in [full, *todo]:
                     req.start(v, 1)
                 warm = True
-            result, full_ms = req.start(full, 40)
-            answer = req.decode(result)
+            started = req.start(full, 40)
+            result, full_ms = started.prefill, started.ttft_ms
+            answer = req.decode(full, started)
             _, full_score = scored(engine, ex, answer)
             result.cache.truncate(result.prompt_rows)
             reference = _teacher_forced_logits(engine, result, answer)
             chunk_tokens = sum(engine.chunk(c).num_tokens for c in req.chunk_ids)
             for v in todo:
-                result, ms = req.start(v, 40)
+                started = req.start(v, 40)
+                result, ms = started.prefill, started.ttft_ms
                 kl = float(kl_to_reference(reference, _teacher_forced_logits(engine, result, answer)).mean())
-                text, score = scored(engine, ex, req.decode(result))
+                text, score = scored(engine, ex, req.decode(v, started))
                 f.write(json.dumps({"id": ex.id, "variant": v.label, "kl": kl, "ttft": ms, "full_ttft": full_ms,
                                     "share": result.recomputed_chunk_tokens / max(1, chunk_tokens),
                                     "prompt": result.prompt_tokens, "answer": text, "score": score,
@@ -111,8 +117,9 @@ def answer_rows(engine: Engine, ex, variants: list[Variant], f, warm: bool) -> N
             req.start(v, 1)
     chunk_tokens = sum(engine.chunk(c).num_tokens for c in req.chunk_ids)
     for v in variants:
-        result, ms = req.start(v, req.sampling.max_new_tokens + 1)
-        text, score = scored(engine, ex, req.decode(result))
+        started = req.start(v, req.sampling.max_new_tokens + 1)
+        result, ms = started.prefill, started.ttft_ms
+        text, score = scored(engine, ex, req.decode(v, started))
         f.write(json.dumps({"id": ex.id, "variant": v.label, "score": score, "answer": text, "ttft": ms,
                             "share": result.recomputed_chunk_tokens / max(1, chunk_tokens),
                             "prompt": result.prompt_tokens}) + "\n")
@@ -354,6 +361,9 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--data")
+    p.add_argument("--dtype", default=EngineConfig.dtype, choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--chunk-tokens", type=int, help="cut each row's documents again into chunks of about N "
+                   "tokens on sentence boundaries (as `cachetune eval --chunk-tokens`)")
     p.add_argument("--limit", type=int)
     p.add_argument("--skip", type=int, default=0, help="leave out the first SKIP of the --limit examples")
     p.add_argument("--rows", help="run these rows of the set only (\"37,43,48\"; instead of --limit/--skip)")

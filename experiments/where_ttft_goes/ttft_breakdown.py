@@ -101,7 +101,7 @@ def main() -> None:
     for _ in range(args.repeats):
         for v in variants:
             _counts.clear()
-            _, ms = req.start(v, 1)
+            ms = req.start(v, 1).ttft_ms
             runs[v.label].append((ms, Counter(_counts)))
     print(f"{args.data} row {args.row} ({example.id}), r = {args.ratio}, median of {args.repeats}\n")
     print("| method | TTFT ms | / first method | attention ms | question pass ms | blocks | queries | products (M) "
