@@ -120,18 +120,20 @@ eval-qwen: qwen
 # Quality against chunk length: each set's documents cut again into chunks of about 128, 256 and 512
 # tokens (on sentence boundaries, each cached alone), the methods beside full recompute; per set a JSON,
 # tables and quality_by_chunk_length.png. Resumable (results/*/chunk_length/*.progress.jsonl): rerun to
-# go on. LENGTH_SETS and LENGTH_LIMIT choose the part to run.
+# go on. LENGTH_SETS, LENGTH_TOKENS and LENGTH_LIMIT choose the part to run (MuSiQue's 6K-token
+# prompts take about 4 minutes a row and length on a 2-core CPU).
 LENGTH_METHODS := cachetune,cachetune@0.25,cachetune@0.35,epic,cacheblend,prophetkv,full_reuse
 LENGTH_SETS ?= hotpotqa_heldout musique 2wikimqa
+LENGTH_TOKENS ?= 128,256,512
 LENGTH_LIMIT ?= 50
 quality-by-length: qwen
 	for d in $(LENGTH_SETS); do $(VENV)/bin/cachetune eval --model qwen2.5-coder-1.5b --dtype bfloat16 \
-		--threads 2 --data $$d --chunk-tokens 128,256,512 --limit $(LENGTH_LIMIT) --methods $(LENGTH_METHODS) \
+		--threads 2 --data $$d --chunk-tokens $(LENGTH_TOKENS) --limit $(LENGTH_LIMIT) --methods $(LENGTH_METHODS) \
 		--json results/qwen/chunk_length/$$d.json --plots results/qwen/chunk_length/$$d || exit 1; done
 
 # The same on SmolLM2 (float32), read for KL only: its F1 is too low to rank methods.
 quality-by-length-smollm2: install
-	for d in $(LENGTH_SETS); do $(VENV)/bin/cachetune eval --threads 2 --data $$d --chunk-tokens 128,256,512 \
+	for d in $(LENGTH_SETS); do $(VENV)/bin/cachetune eval --threads 2 --data $$d --chunk-tokens $(LENGTH_TOKENS) \
 		--limit $(LENGTH_LIMIT) --methods $(LENGTH_METHODS) --json results/smollm2/chunk_length/$$d.json \
 		--plots results/smollm2/chunk_length/$$d || exit 1; done
 
